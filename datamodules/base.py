@@ -1,0 +1,210 @@
+"""What every datamodule of this library gives, and a base for datasets that fit in memory.
+
+The contract (relied on by :class:`moco_lightning.MoCo` and by the evaluation callbacks):
+
+- ``train_dataloader()``: pretraining batches ``([view_1, view_2], target, index)``, shuffled
+  with a seeded sampler, ``drop_last=True``. With ``pretrain=False`` (offline linear evaluation):
+  ``(augmented_image, target, index)``.
+- ``val_dataloader()``: with ``pretrain=True`` the same two-view batches drawn from the held-out
+  split with fixed per-batch seeds (a comparable validation loss); else ``(image, target, index)``
+  with the evaluation transform.
+- ``eval_train_dataloader()`` / ``eval_val_dataloader()``: the train and held-out splits with the
+  evaluation transform (no augmentation), in order, nothing dropped: ``(image, target, index)``.
+  The kNN monitor builds its bank from the first and classifies the second.
+- attributes ``num_classes``, ``mean``, ``std``, ``image_size``, ``in_channels``.
+
+Any datamodule honouring this contract works with the module and the callbacks; a datamodule of
+your own needs only ``train_dataloader`` yielding ``([view_1, view_2], ...)`` to train MoCo.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .batch_views import BatchViews
+
+
+class SeededRandomSampler(Sampler[int]):
+    """A random permutation per epoch, drawn from ``(seed, epoch)`` alone.
+
+    The order does not depend on the global RNG, so a resumed run sees the same batches as an
+    uninterrupted one. Lightning calls ``set_epoch`` at the start of every epoch.
+    """
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class ImageTensorDataset(Dataset):
+    """uint8 images (N, C, H, W) held in memory, with targets: items ``(image, target, index)``."""
+
+    def __init__(self, images: Tensor, targets: Tensor) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"images must be a uint8 tensor (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        if len(images) != len(targets):
+            raise ValueError(f"{len(images)} images but {len(targets)} targets")
+        self.images, self.targets = images, targets
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> Tuple[Tensor, Tensor, int]:
+        return self.images[i], self.targets[i], i
+
+
+class NormalizeCollate:
+    """Collates uint8 image items into one normalised float batch (the evaluation transform)."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], size: Optional[int] = None) -> None:
+        self.mean = torch.tensor(mean).view(1, -1, 1, 1)
+        self.std = torch.tensor(std).view(1, -1, 1, 1)
+        self.size = size
+
+    def __call__(self, items: list) -> Tuple[Tensor, Tensor, Tensor]:
+        images, targets, index = torch.utils.data.default_collate(items)
+        x = images.float().div_(255)
+        if self.size is not None and x.shape[-1] != self.size:
+            x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
+        return (x - self.mean) / self.std, targets, index
+
+
+class InMemoryDataModule(LightningDataModule):
+    """Base for datasets held in memory as uint8 tensors; augmentation runs batched on the device.
+
+    Subclasses set ``num_classes``, ``mean``, ``std``, ``in_channels`` and implement
+    :meth:`load_split` returning ``(images uint8 (N, C, H, W), targets int64 (N,))``.
+
+    The loaders yield raw uint8 batches; :meth:`on_after_batch_transfer` turns a training batch into
+    its two MoCo views with :class:`BatchViews` on the batch's device (the GPU when there is one), from
+    a generator seeded by ``seed`` whose state is saved in the checkpoint.
+    """
+
+    num_classes: int
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+    in_channels: int
+
+    def __init__(
+        self,
+        batch_size: int = 256,
+        image_size: int = 32,
+        num_workers: int = 0,
+        seed: int = 0,
+        pretrain: bool = True,
+        min_scale: float = 0.2,
+        jitter_strength: float = 0.4,
+        jitter_prob: float = 0.8,
+        gray_prob: float = 0.2,
+        blur_prob: float = 0.0,
+        train_subset: Optional[int] = None,
+        val_subset: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be None (the whole split) or >= 1, got {value}")
+        self.batch_size, self.image_size, self.num_workers, self.seed = batch_size, image_size, num_workers, seed
+        self.pretrain = pretrain
+        self.train_subset, self.val_subset = train_subset, val_subset
+        if pretrain:
+            self.views = BatchViews(
+                image_size, min_scale=min_scale, jitter_prob=jitter_prob,
+                jitter=(jitter_strength, jitter_strength, jitter_strength, min(jitter_strength, 0.4) / 4),
+                gray_prob=gray_prob, blur_prob=(blur_prob, blur_prob), mean=self.mean, std=self.std,
+            )
+        else:  # the linear-evaluation protocol: random resized crop (0.08-1) and flip only
+            self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, mean=self.mean, std=self.std, n_views=1)
+        self._generator: Optional[torch.Generator] = None
+        self._generator_state: Optional[Tensor] = None
+        self._splits: dict[str, ImageTensorDataset] = {}
+
+    # --- what a subclass provides -----------------------------------------------------------
+    def load_split(self, split: str) -> Tuple[Tensor, Tensor]:
+        """``split`` is "train" or "val"; returns (uint8 images (N, C, H, W), int64 targets)."""
+        raise NotImplementedError
+
+    # --- Lightning hooks --------------------------------------------------------------------
+    def setup(self, stage: Optional[str] = None) -> None:
+        for split, limit in (("train", self.train_subset), ("val", self.val_subset)):
+            if split not in self._splits:
+                images, targets = self.load_split(split)
+                if limit is not None:
+                    images, targets = images[:limit], targets[:limit]
+                self._splits[split] = ImageTensorDataset(images, targets.long())
+        if self.pretrain and len(self._splits["train"]) < self.batch_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} is larger than the {len(self._splits['train'])} training images "
+                "(pretraining drops the last partial batch): lower batch_size or raise train_subset"
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        ds = self._splits["train"]
+        return self._loader(ds, sampler=SeededRandomSampler(len(ds), self.seed), drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        if self.pretrain:
+            return self._loader(self._splits["val"])
+        return self.eval_val_dataloader()
+
+    def eval_train_dataloader(self) -> DataLoader:
+        return self._loader(self._splits["train"], collate_fn=self._eval_collate())
+
+    def eval_val_dataloader(self) -> DataLoader:
+        return self._loader(self._splits["val"], collate_fn=self._eval_collate())
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is None or not (trainer.training or trainer.validating or trainer.sanity_checking):
+            return batch
+        images, targets, index = batch
+        if images.dtype != torch.uint8:  # already an evaluation batch
+            return batch
+        if trainer.training:
+            views = self.views(images, self._train_generator(images.device))
+        else:  # fixed views per batch, so the validation loss is comparable across epochs
+            g = torch.Generator(device=images.device).manual_seed(self.seed + 7919 * int(index[0]))
+            views = self.views(images, g)
+        return (views if self.pretrain else views[0]), targets, index
+
+    def state_dict(self) -> dict:
+        g = self._generator
+        return {"augment_rng": (g.get_state() if g is not None else self._generator_state)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._generator_state = state_dict.get("augment_rng")
+        self._generator = None
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _train_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            if self._generator_state is not None:
+                self._generator.set_state(self._generator_state)
+        return self._generator
+
+    def _eval_collate(self) -> NormalizeCollate:
+        return NormalizeCollate(self.mean, self.std, self.image_size)
+
+    def _loader(self, ds: Dataset, sampler: Optional[Sampler] = None, drop_last: bool = False, collate_fn=None) -> DataLoader:
+        return DataLoader(
+            ds, batch_size=self.batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn,
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available(),
+        )

@@ -1,0 +1,125 @@
+"""Fashion-MNIST (Xiao et al. 2017, https://arxiv.org/abs/1708.07747): 60 000 + 10 000 grayscale 28x28 images, 10 classes.
+
+The library's offline default. The four IDX files are read from ``data_dir`` when given, else from
+Debian's ``dataset-fashion-mnist`` package (``/usr/share/datasets/fashion-mnist``), else downloaded
+through torchvision when ``download=True``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .base import InMemoryDataModule
+
+DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
+FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Reads an IDX file (LeCun's MNIST format), gzip-compressed or not."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:
+        raise ValueError(f"{path}: cannot be read as an IDX file ({e}); delete it and get the dataset again") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte IDX file (bad magic number)")
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    start = 4 + 4 * ndim
+    if len(data) - start != int(np.prod(shape)):
+        raise ValueError(f"{path}: truncated or corrupt (header says {shape}, {len(data) - start} bytes of data)")
+    return np.frombuffer(data, dtype=np.uint8, offset=start).reshape(shape)
+
+
+class FashionMNISTDataModule(InMemoryDataModule):
+    """Fashion-MNIST for MoCo pretraining and evaluation (see :mod:`moco_lightning.datamodules.base`).
+
+    Args:
+        data_dir: folder holding the four IDX files (``.gz`` or not; also looked for in
+            ``<data_dir>/FashionMNIST/raw``). None: Debian's package location.
+        download: download through torchvision into ``data_dir`` when the files are missing.
+        Others: see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
+    """
+
+    num_classes = 10
+    mean = (0.2860,)
+    std = (0.3530,)
+    in_channels = 1
+
+    def __init__(
+        self,
+        data_dir: Optional[str] = None,
+        download: bool = False,
+        batch_size: int = 256,
+        image_size: int = 28,
+        num_workers: int = 0,
+        seed: int = 0,
+        pretrain: bool = True,
+        min_scale: float = 0.2,
+        jitter_strength: float = 0.4,
+        jitter_prob: float = 0.8,
+        train_subset: Optional[int] = None,
+        val_subset: Optional[int] = None,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size, image_size=image_size, num_workers=num_workers, seed=seed, pretrain=pretrain,
+            min_scale=min_scale, jitter_strength=jitter_strength, jitter_prob=jitter_prob, gray_prob=0.0,
+            blur_prob=0.0, train_subset=train_subset, val_subset=val_subset,
+        )
+        self.data_dir, self.download = data_dir, download
+
+    def prepare_data(self) -> None:
+        if self.download and self._find_dir() is None:
+            from torchvision.datasets import FashionMNIST
+
+            root = self.data_dir or os.path.join(os.path.expanduser("~"), ".cache", "moco_lightning")
+            FashionMNIST(root, train=True, download=True)
+            FashionMNIST(root, train=False, download=True)
+            self.data_dir = root
+
+    def load_split(self, split: str) -> Tuple[Tensor, Tensor]:
+        folder = self._find_dir()
+        if folder is None:
+            where = f"data_dir={self.data_dir!r}" if self.data_dir else f"{DEBIAN_DIR} (the default)"
+            raise FileNotFoundError(
+                f"Fashion-MNIST not found in {where}: expected the four IDX files "
+                f"{', '.join(f + '.gz' for pair in FILES.values() for f in pair)}. Get them offline with "
+                "`apt-get install dataset-fashion-mnist` (Debian), or set data.download=true to fetch them "
+                "through torchvision, or point data.data_dir at a folder holding them."
+            )
+        image_file, label_file = (self._file(folder, name) for name in FILES[split])
+        images, labels = read_idx(image_file), read_idx(label_file)
+        if len(images) != len(labels):
+            raise ValueError(f"{image_file} has {len(images)} images but {label_file} has {len(labels)} labels")
+        return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
+
+    def _candidates(self) -> list[Path]:
+        if self.data_dir is None:
+            return [Path(DEBIAN_DIR)]
+        d = Path(self.data_dir)
+        return [d, d / "raw", d / "FashionMNIST" / "raw"]
+
+    def _find_dir(self) -> Optional[Path]:
+        for d in self._candidates():
+            if all(self._file(d, name) is not None for pair in FILES.values() for name in pair):
+                return d
+        return None
+
+    @staticmethod
+    def _file(folder: Path, name: str) -> Optional[Path]:
+        for candidate in (folder / (name + ".gz"), folder / name):
+            if candidate.is_file():
+                return candidate
+        return None

@@ -1,0 +1,90 @@
+"""Backbones: any torchvision classification model by name, or any ``nn.Module``, as a feature extractor.
+
+The classifier is removed, so the backbone maps images to features (N, D); D is found by itself.
+Small images get the CIFAR-style stem of the official MoCo CIFAR demo (a 3x3 stride-1 first
+convolution and no max-pool, for ResNets), and grayscale images a one-channel first convolution.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple, Union
+
+import torch
+import torchvision
+from torch import nn
+
+# Attribute holding the classifier in torchvision's model families.
+_HEADS = ("fc", "heads", "classifier", "head")
+
+
+def torchvision_models() -> list[str]:
+    """Names of torchvision's image-classification models (what ``backbone`` accepts as a string)."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def build_backbone(
+    backbone: Union[str, nn.Module], cifar_stem: bool = False, in_channels: int = 3, image_size: int = 224
+) -> Tuple[nn.Module, int]:
+    """Returns ``(feature_extractor, feature_dim)``.
+
+    Args:
+        backbone: a torchvision model name (``"resnet18"``, ``"resnet50"``, ``"vit_b_16"``...), built
+            with random weights, or an ``nn.Module`` mapping images to features (N, D).
+        cifar_stem: ResNets only: 3x3 stride-1 first convolution, no max-pool (for 28-64 px images).
+        in_channels: input channels; the first convolution is rebuilt when this is not 3.
+        image_size: side of the dummy input used to find D when it cannot be read off the model.
+    """
+    if isinstance(backbone, nn.Module):
+        return backbone, _probe_dim(backbone, in_channels, image_size)
+    names = torchvision_models()
+    if backbone not in names:
+        raise ValueError(f"backbone={backbone!r} is not a torchvision classification model; use one of {names} or pass an nn.Module")
+    kwargs = {"image_size": image_size} if backbone.startswith("vit_") else {}
+    model = torchvision.models.get_model(backbone, weights=None, **kwargs)
+    if cifar_stem:
+        if not (hasattr(model, "conv1") and hasattr(model, "maxpool")):
+            raise ValueError(f"cifar_stem=True applies to ResNet-style backbones (conv1 + maxpool); {backbone!r} has none")
+        model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    elif in_channels != 3:
+        _replace_first_conv(model, in_channels)
+    dim = None
+    for attr in _HEADS:
+        if hasattr(model, attr):
+            head = getattr(model, attr)
+            dim = head.in_features if isinstance(head, nn.Linear) else None
+            setattr(model, attr, nn.Identity())
+            break
+    else:
+        raise ValueError(f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead")
+    return model, dim if dim is not None else _probe_dim(model, in_channels, image_size)
+
+
+def _replace_first_conv(model: nn.Module, in_channels: int) -> None:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                setattr(parent, name, nn.Conv2d(
+                    in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
+                    child.dilation, child.groups, child.bias is not None,
+                ))
+                return
+    raise ValueError("in_channels != 3 needs a first nn.Conv2d to rebuild; the backbone has none")
+
+
+@torch.no_grad()
+def _probe_dim(model: nn.Module, in_channels: int, image_size: int) -> int:
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(torch.zeros(2, in_channels, image_size, image_size))
+    except Exception as e:  # noqa: BLE001 - re-raised with the argument that fixes it
+        raise ValueError(
+            f"could not run the backbone on a (2, {in_channels}, {image_size}, {image_size}) input to find its "
+            f"feature size ({e}); set in_channels/image_size to what it expects"
+        ) from e
+    finally:
+        model.train(was_training)
+    if out.ndim != 2:
+        raise ValueError(f"the backbone must return features of shape (N, D); it returned {tuple(out.shape)}")
+    return out.shape[1]

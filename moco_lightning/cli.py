@@ -1,0 +1,43 @@
+"""The ``moco-lightning`` command: Lightning's CLI over :class:`MoCo` and any datamodule.
+
+    moco-lightning fit --config configs/quickstart.yaml
+    moco-lightning fit --config configs/moco_v2.yaml --data.init_args.data_dir /data/imagenet
+    python -m moco_lightning fit --print_config
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.cli import LightningCLI
+
+from .moco import MoCo
+
+
+class MoCoCLI(LightningCLI):
+    """LightningCLI that ends ``fit`` with a table of the final metrics."""
+
+    def after_fit(self) -> None:
+        metrics = {k: float(v) for k, v in sorted(self.trainer.callback_metrics.items()) if v.numel() == 1}
+        if metrics and self.trainer.is_global_zero:
+            width = max(map(len, metrics))
+            print("\nFinal metrics:")
+            for name, value in metrics.items():
+                print(f"  {name:<{width}}  {value:.4f}")
+            if self.trainer.log_dir:
+                print(f"TensorBoard: tensorboard --logdir {self.trainer.log_dir}")
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    MoCoCLI(
+        MoCo,
+        LightningDataModule,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""MoCo: Momentum Contrast for unsupervised visual representation learning.
+
+- v1: He, Fan, Wu, Xie, Girshick, CVPR 2020, https://arxiv.org/abs/1911.05722
+- v2: Chen, Fan, Girshick, He, 2020, https://arxiv.org/abs/2003.04297
+
+Algorithm 1 of the paper, and where each line lives:
+
+    q = f_q(x_q);  k = f_k(x_k).detach()          training_step (query, key)
+    logits = [q·k₊, q·queue] / T;  CE(logits, 0)  training_step (loss.info_nce)
+    loss.backward();  SGD update of f_q             Lightning
+    θ_k ← m·θ_k + (1 − m)·θ_q                       on_train_batch_end, only after a real optimizer step
+    enqueue(k);  dequeue the oldest                 on_train_batch_end (keys of all ranks)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from lightly.models.modules.heads import MoCoProjectionHead, ProjectionHead
+from lightly.models.utils import get_weight_decay_parameters
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+from .backbones import build_backbone
+from .distributed import concat_all_gather
+from .loss import info_nce
+from .queue import KeyQueue
+
+
+class MoCo(LightningModule):
+    """MoCo v1/v2 (defaults: v2 on ImageNet). ``forward(x)`` returns backbone features.
+
+    Args:
+        backbone: torchvision model name or an ``nn.Module`` returning features (N, D).
+        cifar_stem: 3x3 stride-1 stem without max-pool for small images (ResNets).
+        in_channels: image channels (1 for grayscale).
+        image_size: input side, used only to find the feature size of models that need it.
+        head: ``"linear"`` (v1: fc to ``dim``) or ``"mlp"`` (v2: fc-ReLU-fc, hidden ``hidden_dim``).
+        dim: embedding size C of q and k.
+        queue_size: K, number of negative keys; 0 uses the other keys of the batch as negatives.
+        momentum: m of θ_k ← m·θ_k + (1 − m)·θ_q, in [0, 1].
+        momentum_schedule: ``"constant"``, or ``"cosine"`` from ``momentum`` to 1 over all optimizer steps.
+        temperature: T of the logits.
+        symmetric: both views serve as query; loss = L(q1, k2) + L(q2, k1), both keys enqueued.
+        lr: learning rate per 256 images; the optimizer uses lr × global batch / 256.
+        weight_decay, sgd_momentum: SGD settings.
+        decay_norm_bias: also decay norm and bias parameters (the official code does; default off).
+        lr_schedule: ``"cosine"`` (v2), ``"step"`` (v1: ×0.1 at each of ``lr_milestones`` epochs) or ``"constant"``.
+        warmup_epochs: linear warm-up length (may be fractional).
+    """
+
+    def __init__(
+        self,
+        backbone: Union[str, nn.Module] = "resnet50",
+        cifar_stem: bool = False,
+        in_channels: int = 3,
+        image_size: int = 224,
+        head: Literal["linear", "mlp"] = "mlp",
+        dim: int = 128,
+        hidden_dim: int = 2048,
+        queue_size: int = 65536,
+        momentum: float = 0.999,
+        momentum_schedule: Literal["constant", "cosine"] = "constant",
+        temperature: float = 0.2,
+        symmetric: bool = False,
+        lr: float = 0.03,
+        weight_decay: float = 1e-4,
+        sgd_momentum: float = 0.9,
+        decay_norm_bias: bool = False,
+        lr_schedule: Literal["cosine", "step", "constant"] = "cosine",
+        lr_milestones: Sequence[int] = (120, 160),
+        warmup_epochs: float = 0.0,
+    ) -> None:
+        super().__init__()
+        _check_arguments(locals())
+        self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
+        # f_q: the query encoder, trained by backprop
+        self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size)
+        self.projection_head = (
+            ProjectionHead([(self.feature_dim, dim, None, None)]) if head == "linear"
+            else MoCoProjectionHead(self.feature_dim, hidden_dim, dim)
+        )
+        # f_k: the key encoder, a copy of f_q moved only by the momentum update
+        self.key_backbone = copy.deepcopy(self.backbone).requires_grad_(False)
+        self.key_projection_head = copy.deepcopy(self.projection_head).requires_grad_(False)
+        self.queue = KeyQueue(queue_size, dim)
+        self._keys: Optional[Tensor] = None  # this step's keys, enqueued after the optimizer step
+        self._stepped = 0  # global_step at the last momentum update
+
+    # --- the two encoders -------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        """Backbone features of the query encoder: what evaluation and downstream use consume."""
+        return self.backbone(x)
+
+    def query(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(features, q): backbone features and the L2-normalised query embedding."""
+        h = self.backbone(x)
+        return h, F.normalize(self.projection_head(h), dim=1)
+
+    @torch.no_grad()
+    def key(self, x: Tensor) -> Tensor:
+        """k: the L2-normalised key embedding, without gradient."""
+        return F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1)
+
+    def contrast(self, x_q: Tensor, x_k: Tensor) -> dict[str, Tensor]:
+        """The InfoNCE loss of one step, without touching the queue or the key encoder's weights."""
+        negatives = self.queue.keys if self.queue.size > 0 else None
+        h, q = self.query(x_q)
+        k = self.key(x_k)
+        loss, sims, labels = info_nce(q, k, negatives, self.hparams.temperature)
+        keys = k
+        if self.hparams.symmetric:
+            _, q2 = self.query(x_k)
+            k2 = self.key(x_q)
+            loss = loss + info_nce(q2, k2, negatives, self.hparams.temperature)[0]
+            keys = torch.cat([k, k2])
+        return {"loss": loss, "features": h.detach(), "q": q.detach(), "k": k, "keys": keys, "sims": sims.detach(), "labels": labels}
+
+    # --- training ---------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        x_q, x_k = batch[0]
+        out = self.contrast(x_q, x_k)
+        self._keys = out.pop("keys")
+        self._log_step("train", out, on_step=True, on_epoch=False)
+        self.log("train/momentum", self.momentum_at(self.global_step), on_step=True, on_epoch=False)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        return {key: out[key] for key in ("loss", "features", "q", "k")}
+
+    def on_train_start(self) -> None:
+        self._stepped = self.global_step
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_step != self._stepped:  # an optimizer step happened (not an accumulation micro-batch)
+            self._stepped = self.global_step
+            self.momentum_update(self.momentum_at(self.global_step - 1))
+        if self._keys is not None:
+            self.queue.enqueue(concat_all_gather(self._keys), step=self.global_step)
+            self._keys = None
+
+    @torch.no_grad()
+    def momentum_update(self, m: float) -> None:
+        """θ_k ← m·θ_k + (1 − m)·θ_q over backbone and head, with foreach kernels."""
+        theta_q = [*self.backbone.parameters(), *self.projection_head.parameters()]
+        theta_k = [*self.key_backbone.parameters(), *self.key_projection_head.parameters()]
+        torch._foreach_mul_(theta_k, m)
+        torch._foreach_add_(theta_k, torch._foreach_mul(theta_q, 1.0 - m))
+
+    def momentum_at(self, step: int) -> float:
+        """m for the optimizer step with 0-based index ``step`` (MoCo v3: m = 1 − (1 − m₀)(1 + cos(π·step/total))/2)."""
+        m0 = self.hparams.momentum
+        if self.hparams.momentum_schedule == "constant":
+            return m0
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("momentum_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
+        return _cosine(step, total, m0, 1.0)
+
+    # --- validation / prediction: never enqueue, never move the key encoder -----------------
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not isinstance(batch[0], (list, tuple)):
+            return  # an evaluation batch (image, target): nothing for MoCo to do
+        out = self.contrast(*batch[0])
+        self._log_step("val", out, on_step=False, on_epoch=True, sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    def _log_step(self, stage: str, out: dict[str, Tensor], **kwargs: Any) -> None:
+        sims, labels = out["sims"], out["labels"]
+        pos = F.one_hot(labels, sims.shape[1]).bool()
+        top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
+        self.log(f"{stage}/loss", out["loss"], prog_bar=True, **kwargs)
+        self.log_dict({
+            f"{stage}/acc1": (top5[:, 0] == labels).float().mean(),
+            f"{stage}/acc5": (top5 == labels[:, None]).any(1).float().mean(),
+            f"{stage}/logit_pos": sims[pos].mean(),
+            f"{stage}/logit_neg": sims[~pos].mean(),
+        }, **kwargs)
+
+    # --- optimizer --------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        decay, no_decay = get_weight_decay_parameters(
+            [self.backbone, self.projection_head], decay_norm=hp.decay_norm_bias, decay_bias=hp.decay_norm_bias
+        )
+        total = self.trainer.estimated_stepping_batches  # also sets up the train dataloader
+        lr = hp.lr * self._global_batch_size() / 256
+        optimizer = torch.optim.SGD(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, momentum=hp.sgd_momentum,
+        )
+        steps_per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
+        warmup = round(hp.warmup_epochs * steps_per_epoch)
+        milestones = [m * steps_per_epoch for m in hp.lr_milestones]
+        if hp.lr_schedule == "cosine" and not math.isfinite(total):
+            raise ValueError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if hp.lr_schedule == "cosine":
+                return _cosine(step - warmup, total - warmup, 1.0, 0.0)
+            if hp.lr_schedule == "step":
+                return 0.1 ** sum(step >= m for m in milestones)
+            return 1.0
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _global_batch_size(self) -> int:
+        loader = self.trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if batch_size is None:
+            raise ValueError(
+                "MoCo scales lr (given per 256 images) by the global batch size, but the training dataloader has no "
+                "batch_size attribute; use a torch DataLoader with batch_size set"
+            )
+        return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+
+def _cosine(step: float, total: float, start: float, end: float) -> float:
+    """Half a cosine from ``start`` (step 0) towards ``end`` (step ``total``)."""
+    return end - (end - start) * (1 + math.cos(math.pi * min(step, total) / max(total, 1))) / 2
+
+
+def _check_arguments(args: dict) -> None:
+    """One clear error per bad argument, naming it and the allowed values."""
+    rules = [
+        ("queue_size", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: in-batch negatives)"),
+        ("momentum", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+        ("temperature", lambda v: v > 0, "a number > 0"),
+        ("dim", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("hidden_dim", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("in_channels", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("image_size", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("head", lambda v: v in ("linear", "mlp"), "'linear' (v1) or 'mlp' (v2)"),
+        ("momentum_schedule", lambda v: v in ("constant", "cosine"), "'constant' or 'cosine'"),
+        ("lr_schedule", lambda v: v in ("cosine", "step", "constant"), "'cosine', 'step' or 'constant'"),
+        ("lr", lambda v: v > 0, "a number > 0"),
+        ("weight_decay", lambda v: v >= 0, "a number >= 0"),
+        ("sgd_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+        ("warmup_epochs", lambda v: v >= 0, "a number >= 0"),
+        ("lr_milestones", lambda v: all(isinstance(m, int) and m >= 0 for m in v), "a list of epoch numbers >= 0"),
+        ("backbone", lambda v: isinstance(v, (str, nn.Module)), "a torchvision model name or an nn.Module"),
+    ]
+    for name, ok, allowed in rules:
+        value = args[name]
+        try:
+            valid = ok(value)
+        except TypeError:
+            valid = False
+        if not valid:
+            raise ValueError(f"MoCo: {name}={value!r} is not allowed; {name} must be {allowed}")

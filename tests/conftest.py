@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny backbone and tiny Fashion-MNIST subsets, so every test runs in seconds on a CPU."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LeafSpec.*")
+
+
+def tiny_backbone(in_channels: int = 1) -> nn.Module:
+    """A 2-layer conv net returning 16-d features: small enough for exact, fast tests."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    )
+
+
+def tiny_moco(**kwargs):
+    from moco_lightning import MoCo
+
+    args = dict(backbone=tiny_backbone(), in_channels=1, image_size=28, head="mlp", hidden_dim=32, dim=8,
+                queue_size=32, momentum=0.9, temperature=0.2, lr=0.06, lr_schedule="constant")
+    args.update(kwargs)
+    return MoCo(**args)
+
+
+def tiny_data(**kwargs):
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    args = dict(batch_size=16, train_subset=64, val_subset=32, seed=0)
+    args.update(kwargs)
+    return FashionMNISTDataModule(**args)
+
+
+def cpu_trainer(**kwargs) -> Trainer:
+    args = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    args.update(kwargs)
+    return Trainer(**args)
+
+
+@pytest.fixture
+def seeded():
+    from lightning.pytorch import seed_everything
+
+    seed_everything(0, verbose=False)
+    return 0

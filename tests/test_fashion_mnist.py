@@ -1,0 +1,101 @@
+import gzip
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cpu_trainer, tiny_data
+from moco_lightning.datamodules import FashionMNISTDataModule
+from moco_lightning.datamodules.fashion_mnist import read_idx
+
+
+def write_idx(path, array, compress=True):
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    (gzip.open if compress else open)(path, "wb").write(data)
+
+
+def fake_fashion(folder, n_train=40, n_test=20, compress=True):
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if compress else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), compress)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", np.arange(n) % 10, compress)
+    return folder
+
+
+def test_reads_the_debian_package_files():
+    dm = FashionMNISTDataModule(val_subset=None)
+    dm.setup()
+    train, val = dm._splits["train"], dm._splits["val"]
+    assert train.images.shape == (60000, 1, 28, 28) and val.images.shape == (10000, 1, 28, 28)
+    assert train.images.dtype == torch.uint8 and train.targets.dtype == torch.int64
+    assert torch.bincount(train.targets).tolist() == [6000] * 10  # the official split is balanced
+    assert dm.num_classes == 10 and dm.in_channels == 1
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_reads_a_data_dir_in_idx_format(tmp_path, compress):
+    fake_fashion(tmp_path, compress=compress)
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), batch_size=8)
+    dm.setup()
+    assert len(dm._splits["train"]) == 40 and dm._splits["val"].targets.tolist() == [i % 10 for i in range(20)]
+
+
+def test_missing_dataset_says_how_to_get_it(tmp_path):
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"nowhere.*apt-get install dataset-fashion-mnist.*download=true"):
+        dm.setup()
+
+
+def test_truncated_file_is_named(tmp_path):
+    fake_fashion(tmp_path, compress=False)
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte: truncated or corrupt"):
+        read_idx(path)
+
+
+def test_batch_larger_than_the_data_is_a_clear_error(tmp_path):
+    fake_fashion(tmp_path)
+    with pytest.raises(ValueError, match=r"batch_size=64 is larger than the 40 training images"):
+        FashionMNISTDataModule(data_dir=str(tmp_path), batch_size=64).setup()
+
+
+def test_two_views_differ_are_seeded_and_eval_views_are_not_augmented():
+    def first_batch(seed):
+        dm = tiny_data(seed=seed)
+        trainer = cpu_trainer()
+        dm.trainer = trainer
+        dm.setup()
+        raw = next(iter(dm.train_dataloader()))
+        trainer.state.fn, trainer.training = "fit", True
+        return dm, raw, dm.on_after_batch_transfer(raw, 0)
+
+    dm, raw, (views, targets, index) = first_batch(0)
+    v1, v2 = views
+    assert v1.shape == v2.shape == (16, 1, 28, 28) and v1.dtype == torch.float32
+    assert (v1 - v2).abs().mean() > 0.1  # two different augmentations
+    assert torch.equal(targets, dm._splits["train"].targets[index])
+    _, raw_again, (views_again, _, _) = first_batch(0)
+    assert torch.equal(raw[0], raw_again[0]) and torch.equal(views_again[0], v1)
+    _, _, (views_other, _, _) = first_batch(1)
+    assert not torch.equal(views_other[0], v1)
+    x, y, idx = next(iter(dm.eval_train_dataloader()))
+    expected = (dm._splits["train"].images[:16].float() / 255 - 0.2860) / 0.3530
+    assert torch.allclose(x, expected) and idx.tolist() == list(range(16))  # in order, normalised only
+    assert len(dm.eval_val_dataloader().dataset) == 32
+
+
+def test_sampler_order_depends_on_seed_and_epoch_only():
+    dm = tiny_data()
+    dm.setup()
+    loader = dm.train_dataloader()
+    sampler = loader.sampler
+    first = list(sampler)
+    torch.manual_seed(123)  # the global RNG plays no part
+    assert list(sampler) == first and sorted(first) == list(range(64))
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    assert loader.drop_last and len(loader) == 4

@@ -1,0 +1,55 @@
+import math
+
+import torch
+import torch.nn.functional as F
+from lightly.loss import NTXentLoss
+
+from moco_lightning.loss import contrastive_similarities, info_nce
+
+
+def fixed(n, c, seed):
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(n, c, generator=g, dtype=torch.float64), dim=1)
+
+
+def test_info_nce_equals_hand_computation():
+    q, k, queue, t = fixed(3, 4, 0), fixed(3, 4, 1), fixed(5, 4, 2), 0.07
+    expected = 0.0
+    for i in range(3):
+        pos = math.exp(float(q[i] @ k[i]) / t)
+        neg = sum(math.exp(float(q[i] @ queue[j]) / t) for j in range(5))
+        expected += -math.log(pos / (pos + neg))
+    loss, sims, labels = info_nce(q, k, queue, t)
+    assert abs(loss.item() - expected / 3) < 1e-6
+    assert sims.shape == (3, 6) and labels.tolist() == [0, 0, 0]
+
+
+def test_in_batch_negatives_when_no_queue():
+    q, k, t = fixed(4, 8, 3), fixed(4, 8, 4), 0.2
+    expected = 0.0
+    for i in range(4):
+        row = [math.exp(float(q[i] @ k[j]) / t) for j in range(4)]
+        expected += -math.log(row[i] / sum(row))
+    loss, sims, labels = info_nce(q, k, None, t)
+    assert abs(loss.item() - expected / 4) < 1e-6
+    assert labels.tolist() == [0, 1, 2, 3]
+    loss_empty, _, _ = info_nce(q, k, torch.empty(0, 8, dtype=q.dtype), t)
+    assert loss_empty.item() == loss.item()
+
+
+def test_equals_lightly_ntxent_with_memory_bank():
+    q, k, queue, t = fixed(6, 16, 5).float(), fixed(6, 16, 6).float(), fixed(32, 16, 7).float(), 0.2
+    lightly_loss = NTXentLoss(temperature=t, memory_bank_size=(32, 16))
+    bank = lightly_loss.memory_bank.bank
+    lightly_loss.memory_bank.bank = queue.T.clone() if bank.shape == (16, 32) else queue.clone()
+    ours, _, _ = info_nce(q, k, queue, t)
+    theirs = lightly_loss(q, k)  # q does not require grad: lightly leaves its bank untouched
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_logits_are_fp32_under_half_inputs():
+    q, k, queue = fixed(4, 8, 8).half(), fixed(4, 8, 9).half(), fixed(16, 8, 10).half()
+    loss, sims, _ = info_nce(q, k, queue, 0.07)
+    assert loss.dtype == torch.float32
+    ref = F.cross_entropy(contrastive_similarities(q.float(), k.float(), queue.float())[0] / 0.07, torch.zeros(4, dtype=torch.long))
+    assert abs(loss.item() - ref.item()) < 2e-2

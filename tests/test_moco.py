@@ -1,0 +1,254 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
+from moco_lightning import MoCo
+
+
+def key_state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("key_", "queue."))}
+
+
+def assert_states_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+# --- construction --------------------------------------------------------------------------
+def test_forward_returns_backbone_features_and_key_encoder_is_frozen_copy(seeded):
+    model = tiny_moco()
+    x = torch.randn(4, 1, 28, 28)
+    assert model(x).shape == (4, model.feature_dim) == (4, 16)
+    for (nq, pq), (nk, pk) in zip(model.backbone.named_parameters(), model.key_backbone.named_parameters()):
+        assert nq == nk and torch.equal(pq, pk) and pq.requires_grad and not pk.requires_grad
+    assert all(not p.requires_grad for p in model.key_projection_head.parameters())
+    assert model.queue.keys.shape == (32, 8)
+
+
+def test_torchvision_backbone_with_small_grayscale_stem():
+    model = MoCo(backbone="resnet18", cifar_stem=True, in_channels=1, queue_size=16, dim=8, hidden_dim=16)
+    assert model.feature_dim == 512
+    assert model.backbone.conv1.in_channels == 1 and model.backbone.conv1.kernel_size == (3, 3)
+    assert isinstance(model.backbone.maxpool, torch.nn.Identity)
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 512)
+    linear = MoCo(backbone="resnet18", head="linear", queue_size=16, dim=8)
+    assert sum(isinstance(m, torch.nn.Linear) for m in linear.projection_head.modules()) == 1
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"queue_size": -1}, "queue_size"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"momentum": 1.5}, "momentum"),
+    ({"momentum": -0.1}, "momentum"),
+    ({"head": "conv"}, "head"),
+    ({"lr_schedule": "linear"}, "lr_schedule"),
+    ({"momentum_schedule": "step"}, "momentum_schedule"),
+    ({"lr": 0}, "lr"),
+    ({"dim": 0}, "dim"),
+])
+def test_bad_arguments_name_the_argument_and_allowed_values(kwargs, name):
+    with pytest.raises(ValueError, match=rf"MoCo: {name}=.* not allowed; {name} must be"):
+        tiny_moco(**kwargs)
+
+
+def test_unknown_backbone_lists_the_names():
+    with pytest.raises(ValueError, match=r"backbone='resnet17' is not a torchvision classification model; use one of \[.*'resnet18'"):
+        MoCo(backbone="resnet17")
+
+
+# --- momentum ------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [0.0, 0.5, 0.999])
+def test_momentum_update_is_exact(seeded, m):
+    model = tiny_moco()
+    with torch.no_grad():
+        for p in [*model.backbone.parameters(), *model.projection_head.parameters()]:
+            p.add_(torch.randn_like(p))
+    q = [p.clone() for p in [*model.backbone.parameters(), *model.projection_head.parameters()]]
+    k = [p.clone() for p in [*model.key_backbone.parameters(), *model.key_projection_head.parameters()]]
+    model.momentum_update(m)
+    after = [*model.key_backbone.parameters(), *model.key_projection_head.parameters()]
+    for pk, pq, new in zip(k, q, after):
+        assert torch.equal(new, pk * m + pq * (1 - m))
+    if m == 0.0:
+        assert all(torch.equal(new, pq) for new, pq in zip(after, q))
+
+
+class CountUpdates(Callback):
+    def __init__(self):
+        self.updates, self.batches = 0, 0
+
+    def on_train_start(self, trainer, pl_module):
+        original = pl_module.momentum_update
+
+        def counted(m):
+            self.updates += 1
+            original(m)
+
+        pl_module.momentum_update = counted
+
+    def on_train_batch_end(self, *args):
+        self.batches += 1
+
+
+@pytest.mark.parametrize("accumulate,expected_updates", [(1, 4), (2, 2)])
+def test_momentum_applied_once_per_optimizer_step(seeded, accumulate, expected_updates):
+    counter = CountUpdates()
+    model = tiny_moco()
+    trainer = cpu_trainer(accumulate_grad_batches=accumulate, callbacks=[counter], limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    assert counter.batches == 4
+    assert counter.updates == expected_updates == trainer.global_step
+    assert model.queue.ptr.item() == (4 * 16) % 32  # every batch's keys are enqueued
+
+
+def test_key_encoder_gets_no_gradient_and_no_optimizer_state(seeded):
+    model = tiny_moco()
+    trainer = cpu_trainer(limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    key_params = [*model.key_backbone.parameters(), *model.key_projection_head.parameters()]
+    assert all(p.grad is None and not p.requires_grad for p in key_params)
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in key_params}
+    assert len(optimized) == len([*model.backbone.parameters(), *model.projection_head.parameters()])
+    # norm and bias parameters get no weight decay
+    groups = trainer.optimizers[0].param_groups
+    assert groups[0]["weight_decay"] == 1e-4 and groups[1]["weight_decay"] == 0.0
+    assert all(p.ndim > 1 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
+
+
+def test_cosine_momentum_schedule_follows_optimizer_steps(seeded):
+    model = tiny_moco(momentum=0.9, momentum_schedule="cosine")
+    seen = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.append(trainer.callback_metrics["train/momentum"].item())
+
+    trainer = cpu_trainer(max_epochs=2, callbacks=[Record()], limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    total = 8
+    expected = [1 - 0.1 * (math.cos(math.pi * s / total) + 1) / 2 for s in range(total)]
+    assert seen == pytest.approx(expected, abs=1e-6)
+    assert seen[0] == pytest.approx(0.9)
+
+
+# --- the loss inside the module ------------------------------------------------------------
+def test_positive_key_is_never_among_the_negatives(seeded):
+    snapshots, keys = [], []
+
+    class Snapshot(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            snapshots.append(pl_module.queue.keys.clone())
+            if keys:  # the previous step's keys are in the queue once that step is over
+                assert (keys[-1] @ snapshots[-1].T).max(dim=1).values.min() > 1 - 1e-5
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            keys.append(outputs["k"])  # (callbacks run before the module's own on_train_batch_end)
+            assert (outputs["k"] @ snapshots[-1].T).max() < 1 - 1e-4  # not among the negatives it was scored against
+
+    model = tiny_moco(queue_size=64)
+    cpu_trainer(callbacks=[Snapshot()], limit_val_batches=0).fit(model, tiny_data())
+    assert len(snapshots) == 4
+
+
+def test_training_loss_matches_hand_computation(seeded):
+    model = tiny_moco()
+    x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    out = model.contrast(x1, x2)
+    q = F.normalize(model.projection_head(model.backbone(x1)), dim=1)
+    k = F.normalize(model.key_projection_head(model.key_backbone(x2)), dim=1)
+    logits = torch.cat([(q * k).sum(1, keepdim=True), q @ model.queue.keys.T], 1) / 0.2
+    expected = -torch.log_softmax(logits, 1)[:, 0].mean()
+    assert torch.allclose(out["loss"], expected, atol=1e-6)
+
+
+def test_symmetric_loss_and_both_keys_enqueued(seeded):
+    model = tiny_moco(symmetric=True)
+    x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    out = model.contrast(x1, x2)
+    queue = model.queue.keys
+    from moco_lightning.loss import info_nce
+
+    _, q1 = model.query(x1)
+    _, q2 = model.query(x2)
+    expected = info_nce(q1, model.key(x2), queue, 0.2)[0] + info_nce(q2, model.key(x1), queue, 0.2)[0]
+    assert torch.allclose(out["loss"], expected, atol=1e-6)
+    assert out["keys"].shape == (16, 8)
+    model2 = tiny_moco(symmetric=True)
+    cpu_trainer(limit_val_batches=0, max_steps=1).fit(model2, tiny_data())
+    assert model2.queue.ptr.item() == 32 % 32 and (model2.queue.enqueued_at == 1).sum() == 32
+
+
+def test_queue_size_zero_uses_in_batch_negatives(seeded):
+    model = tiny_moco(queue_size=0)
+    cpu_trainer(limit_val_batches=0, max_steps=2).fit(model, tiny_data())
+    assert model.queue.keys.numel() == 0
+    out = model.contrast(torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28))
+    assert out["sims"].shape == (8, 8) and out["labels"].tolist() == list(range(8))
+
+
+# --- lr ------------------------------------------------------------------------------------
+def test_lr_is_per_256_images_and_scaled_by_the_batch(seeded):
+    model = tiny_moco(lr=0.03, lr_schedule="constant", warmup_epochs=1)
+    trainer = cpu_trainer(limit_val_batches=0, max_epochs=2)
+    lrs = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer.callbacks.append(Record())
+    trainer.fit(model, tiny_data(batch_size=16))
+    peak = 0.03 * 16 / 256
+    assert lrs == pytest.approx([peak * s / 4 for s in (1, 2, 3, 4)] + [peak] * 4)
+
+
+# --- validation never touches the dictionary -----------------------------------------------
+def test_validation_leaves_queue_and_key_encoder_untouched(seeded):
+    model = tiny_moco()
+    dm = tiny_data()
+    cpu_trainer(limit_val_batches=0, max_steps=2).fit(model, dm)
+    before = key_state(model)
+    trainer = cpu_trainer()
+    metrics = trainer.validate(model, dm, verbose=False)[0]
+    assert_states_equal(before, key_state(model))
+    assert metrics["val/loss"] > 0 and 0 <= metrics["val/acc1"] <= 1
+    trainer.predict(model, dm.eval_val_dataloader())
+    assert_states_equal(before, key_state(model))
+
+
+# --- checkpoints and exact resume ----------------------------------------------------------
+def test_checkpoint_round_trip_is_bit_exact(seeded, tmp_path):
+    model = tiny_moco(backbone="resnet18", cifar_stem=True, hidden_dim=16)
+    trainer = cpu_trainer(limit_val_batches=0, max_steps=2)
+    trainer.fit(model, tiny_data())
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = MoCo.load_from_checkpoint(path)
+    assert_states_equal(key_state(model), key_state(loaded))
+    assert loaded.queue.ptr.item() == 32 % 32 and torch.equal(loaded.queue.enqueued_at, model.queue.enqueued_at)
+    for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.load(path, weights_only=False)["global_step"] == 2  # the momentum schedule's clock
+
+
+def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path):
+    def run(ckpt_path=None, callbacks=()):
+        seed_everything(0, verbose=False)
+        model = tiny_moco(momentum_schedule="cosine", lr_schedule="cosine", warmup_epochs=0.5)
+        trainer = cpu_trainer(max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), limit_val_batches=1)
+        trainer.fit(model, tiny_data(), ckpt_path=ckpt_path)
+        return model
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    straight = run(callbacks=[checkpoint])
+    resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

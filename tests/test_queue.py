@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from moco_lightning.queue import KeyQueue
+
+
+def sequential_reference(initial: torch.Tensor, batches: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The FIFO semantics written the slow, obvious way: one key at a time."""
+    keys, ptr = initial.clone(), 0
+    for batch in batches:
+        for row in batch:
+            keys[ptr] = row
+            ptr = (ptr + 1) % len(keys)
+    return keys, ptr
+
+
+def test_wrap_around_partial_and_oversized_batches():
+    torch.manual_seed(0)
+    queue = KeyQueue(10, 3)
+    initial = queue.keys.clone()
+    batches = [torch.arange(4 * 3, dtype=torch.float).view(4, 3) + 100 * i for i in range(3)]
+    for b in batches:
+        queue.enqueue(b)
+    # 12 keys into K=10: slots 0-3 batch 0, 4-7 batch 1, 8-9 and 0-1 batch 2
+    assert queue.ptr.item() == 2
+    assert torch.equal(queue.keys[8], batches[2][0]) and torch.equal(queue.keys[9], batches[2][1])
+    assert torch.equal(queue.keys[0], batches[2][2]) and torch.equal(queue.keys[1], batches[2][3])
+    assert torch.equal(queue.keys[2:4], batches[0][2:4]) and torch.equal(queue.keys[4:8], batches[1])
+    partial = torch.full((3, 3), -1.0)
+    queue.enqueue(partial)  # a partial last batch: nothing dropped
+    assert queue.ptr.item() == 5 and torch.equal(queue.keys[2:5], partial)
+    big = torch.arange(13 * 3, dtype=torch.float).view(13, 3) + 1000  # larger than K
+    queue.enqueue(big)
+    expected, ptr = sequential_reference(initial, batches + [partial, big])
+    assert torch.equal(queue.keys, expected)
+    assert queue.ptr.item() == ptr == 8
+
+
+@pytest.mark.parametrize("size,batch", [(7, 3), (12, 5), (5, 5), (4, 9)])
+def test_matches_sequential_reference_for_any_size(size, batch):
+    torch.manual_seed(1)
+    queue = KeyQueue(size, 2)
+    initial = queue.keys.clone()
+    batches = [torch.randn(batch, 2) for _ in range(5)] + [torch.randn(max(batch - 2, 1), 2)]
+    for step, b in enumerate(batches):
+        queue.enqueue(b, step=step)
+    expected, ptr = sequential_reference(initial, batches)
+    assert torch.equal(queue.keys, expected)
+    assert queue.ptr.item() == ptr
+    assert queue.enqueued_at.max().item() == len(batches) - 1
+
+
+def test_initial_keys_normalised_and_seeded():
+    torch.manual_seed(3)
+    a = KeyQueue(16, 8)
+    torch.manual_seed(3)
+    b = KeyQueue(16, 8)
+    assert torch.equal(a.keys, b.keys)
+    assert torch.allclose(a.keys.norm(dim=1), torch.ones(16))
+    assert (a.enqueued_at == -1).all()
+
+
+def test_queue_is_persistent_state():
+    queue = KeyQueue(4, 2)
+    assert set(queue.state_dict()) == {"keys", "ptr", "enqueued_at"}
+
+
+def test_empty_queue_is_a_no_op():
+    queue = KeyQueue(0, 4)
+    queue.enqueue(torch.randn(3, 4))
+    assert queue.keys.shape == (0, 4) and queue.ptr.item() == 0
