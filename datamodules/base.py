@@ -195,9 +195,13 @@ class InMemoryDataModule(LightningDataModule):
     # --- helpers ----------------------------------------------------------------------------
     def _train_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
-            if self._generator_state is not None:
+            rank = self.trainer.global_rank if self.trainer is not None else 0  # each rank its own stream
+            self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
+            if self._generator_state is not None:  # a checkpoint holds rank 0's state: other ranks branch off it
                 self._generator.set_state(self._generator_state)
+                if rank > 0:
+                    branch = int(torch.randint(0, 2**62, (1,), generator=self._generator, device=device))
+                    self._generator.manual_seed(branch + rank)
         return self._generator
 
     def _eval_collate(self) -> NormalizeCollate:

@@ -3,10 +3,12 @@
     moco-lightning fit --config configs/quickstart.yaml
     moco-lightning fit --config configs/moco_v2.yaml --data.init_args.data_dir /data/imagenet
     python -m moco_lightning fit --print_config
+    moco-lightning export --ckpt last.ckpt --out backbone.pt
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from lightning.pytorch import LightningDataModule
@@ -30,6 +32,11 @@ class MoCoCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["export"]:
+        from .export import main as export_main
+
+        return export_main(argv[1:])
     MoCoCLI(
         MoCo,
         LightningDataModule,

@@ -30,3 +30,44 @@ def concat_all_gather(x: Tensor) -> Tensor:
     out = [torch.empty_like(padded) for _ in range(ws)]
     dist.all_gather(out, padded.contiguous())
     return torch.cat([o[:c] for o, c in zip(out, counts)])
+
+
+@torch.no_grad()
+def shuffle_across_ranks(x: Tensor, generator: torch.Generator) -> tuple[Tensor, tuple[Tensor, list[int]]]:
+    """Shuffle BN (He et al. 2020, §3.3): this rank's share of the global batch in a random order.
+
+    The permutation of the global batch is drawn from ``generator`` (a CPU generator seeded alike on
+    every rank, so no broadcast is needed). Ranks may hold different row counts; each gets back as many
+    rows as it gave. Returns the rows to encode and the state :func:`unshuffle_across_ranks` needs.
+    """
+    x_all = concat_all_gather(x)
+    perm = torch.randperm(x_all.shape[0], generator=generator).to(x.device)
+    counts = _counts(x.shape[0])
+    offset = sum(counts[: rank()])
+    mine = perm[offset: offset + x.shape[0]]
+    return x_all[mine], (perm, counts)
+
+
+@torch.no_grad()
+def unshuffle_across_ranks(y: Tensor, state: tuple[Tensor, list[int]]) -> Tensor:
+    """Inverse of :func:`shuffle_across_ranks`: the encoded rows back on the rank and in the order they came from."""
+    perm, counts = state
+    y_all = concat_all_gather(y)  # row i of y_all encodes global input row perm[i]
+    restored = torch.empty_like(y_all)
+    restored[perm] = y_all
+    offset = sum(counts[: rank()])
+    return restored[offset: offset + y.shape[0]]
+
+
+def _counts(n: int) -> list[int]:
+    if world_size() == 1:
+        return [n]
+    t = torch.tensor([n], device=_device())
+    out = [torch.zeros_like(t) for _ in range(world_size())]
+    dist.all_gather(out, t)
+    return [int(c) for c in out]
+
+
+def _device() -> torch.device:
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

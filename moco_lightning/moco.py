@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import copy
 import math
+import random
+import warnings
 from typing import Any, Literal, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightly.models.modules.heads import MoCoProjectionHead, ProjectionHead
@@ -25,8 +28,10 @@ from lightly.models.utils import get_weight_decay_parameters
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from . import __version__
 from .backbones import build_backbone
-from .distributed import concat_all_gather
+from .distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks, world_size
+from .split_bn import convert_split_bn
 from .loss import info_nce
 from .queue import KeyQueue
 
@@ -51,7 +56,16 @@ class MoCo(LightningModule):
         decay_norm_bias: also decay norm and bias parameters (the official code does; default off).
         lr_schedule: ``"cosine"`` (v2), ``"step"`` (v1: ×0.1 at each of ``lr_milestones`` epochs) or ``"constant"``.
         warmup_epochs: linear warm-up length (may be fractional).
+        shuffle_bn: how BatchNorm is kept from leaking the positive (§3.3): ``"ddp"`` shuffles the key
+            batch across ranks, ``"split"`` computes BN statistics over ``bn_splits`` sub-batches on one
+            device (both encoders, as the official CIFAR demo) and shuffles the key batch, ``"off"``;
+            ``"auto"``: ``"ddp"`` with several processes, ``"split"`` on one, ``"off"`` without BatchNorm.
+        bn_splits: sub-batches for ``"split"``; the per-device batch must be a multiple of it.
+        on_nan: a non-finite loss ``"raise"``s (stops training before a checkpoint holds bad weights) or
+            ``"skip"``s the batch with a warning (single process only: DDP ranks must step together).
     """
+
+    FORMAT_VERSION = 1  # of the checkpoint: bumped when the state layout changes
 
     def __init__(
         self,
@@ -74,6 +88,9 @@ class MoCo(LightningModule):
         lr_schedule: Literal["cosine", "step", "constant"] = "cosine",
         lr_milestones: Sequence[int] = (120, 160),
         warmup_epochs: float = 0.0,
+        shuffle_bn: Literal["auto", "ddp", "split", "off"] = "auto",
+        bn_splits: int = 8,
+        on_nan: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
         _check_arguments(locals())
@@ -88,6 +105,11 @@ class MoCo(LightningModule):
         self.key_backbone = copy.deepcopy(self.backbone).requires_grad_(False)
         self.key_projection_head = copy.deepcopy(self.projection_head).requires_grad_(False)
         self.queue = KeyQueue(queue_size, dim)
+        # Every rank enqueues the same gathered keys, so DDP need not broadcast the queue on every forward
+        # (32 MiB per step at K=65536); it is broadcast once at fit start instead.
+        self._ddp_params_and_buffers_to_ignore = [f"queue.{name}" for name, _ in self.queue.named_buffers()]
+        self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
+        self._rng_to_restore: Optional[dict] = None
         self._keys: Optional[Tensor] = None  # this step's keys, enqueued after the optimizer step
         self._stepped = 0  # global_step at the last momentum update
 
@@ -103,8 +125,18 @@ class MoCo(LightningModule):
 
     @torch.no_grad()
     def key(self, x: Tensor) -> Tensor:
-        """k: the L2-normalised key embedding, without gradient."""
-        return F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1)
+        """k: the L2-normalised key embedding, without gradient; the batch is shuffled for BN in training."""
+        shuffle = self._shuffle if self.training else "off"
+        if shuffle == "off":
+            return F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1)
+        # the same permutation on every rank, and again after a resume: seeded by the step
+        g = torch.Generator().manual_seed(1_000_003 * (self.global_step + 1))
+        if shuffle == "ddp":
+            x, state = shuffle_across_ranks(x, g)
+            return unshuffle_across_ranks(F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1), state)
+        perm = torch.randperm(x.shape[0], generator=g).to(x.device)
+        k = F.normalize(self.key_projection_head(self.key_backbone(x[perm])), dim=1)
+        return torch.empty_like(k).index_copy_(0, perm, k)
 
     def contrast(self, x_q: Tensor, x_k: Tensor) -> dict[str, Tensor]:
         """The InfoNCE loss of one step, without touching the queue or the key encoder's weights."""
@@ -121,9 +153,32 @@ class MoCo(LightningModule):
         return {"loss": loss, "features": h.detach(), "q": q.detach(), "k": k, "keys": keys, "sims": sims.detach(), "labels": labels}
 
     # --- training ---------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            return
+        mode, has_bn = self.hparams.shuffle_bn, any(isinstance(m, nn.BatchNorm2d) for m in self.key_backbone.modules())
+        if mode == "auto":
+            mode = "off" if not has_bn else "ddp" if self.trainer.world_size > 1 else "split"
+        if mode == "ddp" and self.trainer.world_size == 1:
+            raise ValueError("MoCo: shuffle_bn='ddp' needs a distributed run (world size > 1); use 'split' or 'auto' on one device")
+        if mode == "split":
+            convert_split_bn(self.backbone, self.hparams.bn_splits)
+            convert_split_bn(self.key_backbone, self.hparams.bn_splits)
+        if mode != "off" and getattr(self.trainer.strategy, "_layer_sync", None) is not None:
+            warnings.warn("MoCo: sync_batchnorm=True computes BN statistics over the global batch, which defeats "
+                          f"shuffle_bn={mode!r} for MoCo v1/v2; turn one of them off", stacklevel=2)
+        self._shuffle = mode
+
+    def on_fit_start(self) -> None:
+        if world_size() > 1:  # identical initial queue on every rank, even without a common seed
+            for buffer in self.queue.buffers():
+                torch.distributed.broadcast(buffer, src=0)
+
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         x_q, x_k = batch[0]
         out = self.contrast(x_q, x_k)
+        if not torch.isfinite(out["loss"]):
+            return self._non_finite(out["loss"], batch_idx)
         self._keys = out.pop("keys")
         self._log_step("train", out, on_step=True, on_epoch=False)
         self.log("train/momentum", self.momentum_at(self.global_step), on_step=True, on_epoch=False)
@@ -132,8 +187,28 @@ class MoCo(LightningModule):
 
     def on_train_start(self) -> None:
         self._stepped = self.global_step
+        if self._rng_to_restore is not None:  # resuming: the global RNGs continue where the checkpoint left them
+            _set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def _non_finite(self, loss: Tensor, batch_idx: int) -> None:
+        where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+        if self.hparams.on_nan == "skip":
+            warnings.warn(f"MoCo: loss is {loss.item()} {where}; batch skipped (on_nan='skip')", stacklevel=2)
+            return None
+        raise FloatingPointError(
+            f"MoCo: loss is {loss.item()} {where}. Likely causes: a learning rate too high "
+            f"(lr={self.hparams.lr} per 256 images, now {self.trainer.optimizers[0].param_groups[0]['lr']:.4g}), "
+            f"a temperature too low (temperature={self.hparams.temperature}), or fp16 overflow "
+            f"(precision={self.trainer.precision!r}: try bf16-mixed or 32). Training stopped before any checkpoint "
+            "was written with these weights; resume from the last good checkpoint with a lower lr, or set on_nan='skip'."
+        )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Momentum update (only if an optimizer step happened), then enqueue the step's keys of all ranks."""
         if self.global_step != self._stepped:  # an optimizer step happened (not an accumulation micro-batch)
             self._stepped = self.global_step
             self.momentum_update(self.momentum_at(self.global_step - 1))
@@ -158,6 +233,39 @@ class MoCo(LightningModule):
         if not math.isfinite(total):
             raise ValueError("momentum_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
         return _cosine(step, total, m0, 1.0)
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
+        # finish this step first, so that a checkpoint at step N holds N momentum updates and N steps' keys.
+        if self._keys is not None or (self._trainer is not None and self.trainer.training and self.global_step != self._stepped):
+            self._finish_step()
+            checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k.startswith(("key_", "queue."))})
+        bad = [name for name, p in self.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(f"MoCo: refusing to write a checkpoint with non-finite weights in {bad[:5]}")
+        checkpoint["moco_lightning"] = {"format_version": self.FORMAT_VERSION, "version": __version__,
+                                        "rng_states": _rng_states()}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        meta = checkpoint.get("moco_lightning")
+        if meta is None:
+            raise ValueError("MoCo: this checkpoint was not written by moco-lightning's MoCo (no 'moco_lightning' entry)")
+        if meta["format_version"] > self.FORMAT_VERSION:
+            raise ValueError(
+                f"MoCo: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is newer than "
+                f"this moco-lightning {__version__} reads (format {self.FORMAT_VERSION}): upgrade moco-lightning"
+            )
+        saved = checkpoint.get("hyper_parameters", {})
+        structural = ("backbone", "cifar_stem", "in_channels", "head", "dim", "hidden_dim", "queue_size")
+        differ = [f"{k}: checkpoint {saved[k]!r}, model {self.hparams[k]!r}" for k in structural
+                  if k in saved and k in self.hparams and saved[k] != self.hparams[k]]
+        if differ:
+            raise ValueError(
+                "MoCo: the checkpoint does not fit this model (" + "; ".join(differ) + "). Build the model with the "
+                "checkpoint's settings (MoCo.load_from_checkpoint does) or start a new run."
+            )
+        self._rng_to_restore = meta.get("rng_states")
 
     # --- validation / prediction: never enqueue, never move the key encoder -----------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -222,6 +330,25 @@ class MoCo(LightningModule):
         return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
 
+def _rng_states() -> dict:
+    """The global RNG states, in types that ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    states = {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+              "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
 def _cosine(step: float, total: float, start: float, end: float) -> float:
     """Half a cosine from ``start`` (step 0) towards ``end`` (step ``total``)."""
     return end - (end - start) * (1 + math.cos(math.pi * min(step, total) / max(total, 1))) / 2
@@ -245,6 +372,9 @@ def _check_arguments(args: dict) -> None:
         ("sgd_momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"),
         ("warmup_epochs", lambda v: v >= 0, "a number >= 0"),
         ("lr_milestones", lambda v: all(isinstance(m, int) and m >= 0 for m in v), "a list of epoch numbers >= 0"),
+        ("on_nan", lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
+        ("shuffle_bn", lambda v: v in ("auto", "ddp", "split", "off"), "'auto', 'ddp', 'split' or 'off'"),
+        ("bn_splits", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
         ("backbone", lambda v: isinstance(v, (str, nn.Module)), "a torchvision model name or an nn.Module"),
     ]
     for name, ok, allowed in rules:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from torch import nn
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
@@ -29,7 +30,8 @@ def tiny_moco(**kwargs):
     from moco_lightning import MoCo
 
     args = dict(backbone=tiny_backbone(), in_channels=1, image_size=28, head="mlp", hidden_dim=32, dim=8,
-                queue_size=32, momentum=0.9, temperature=0.2, lr=0.06, lr_schedule="constant")
+                queue_size=32, momentum=0.9, temperature=0.2, lr=0.06, lr_schedule="constant",
+                shuffle_bn="off")
     args.update(kwargs)
     return MoCo(**args)
 
@@ -55,3 +57,13 @@ def seeded():
 
     seed_everything(0, verbose=False)
     return 0
+
+
+class SlowDown(Callback):
+    """Sleeps after every training batch, so that a test can kill a run mid-epoch."""
+
+    def __init__(self, seconds: float = 0.3) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        time.sleep(self.seconds)

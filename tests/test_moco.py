@@ -252,3 +252,22 @@ def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path):
     resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_step_checkpoints_hold_the_steps_momentum_update_and_keys(seeded, tmp_path):
+    """ModelCheckpoint saves in its on_train_batch_end, before the module's: the checkpoint must still be whole."""
+    states = {}
+
+    class After(Callback):  # registered after ModelCheckpoint: records what the module ends the step with
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            if trainer.global_step:
+                states[trainer.global_step] = key_state(pl_module)
+
+    model = tiny_moco()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    cpu_trainer(callbacks=[checkpoint, After()], enable_checkpointing=True, limit_val_batches=0).fit(model, tiny_data())
+    for step in (1, 2, 3):
+        saved = torch.load(tmp_path / f"step={step}.ckpt", weights_only=True)["state_dict"]
+        assert saved["queue.ptr"].item() == step * 16 % 32 and saved["queue.enqueued_at"].max().item() == step
+        for name, value in states[step].items():
+            assert torch.equal(saved[name], value), (step, name)

@@ -1,0 +1,70 @@
+"""Split BatchNorm: BatchNorm statistics over N sub-batches of one device's batch.
+
+MoCo's shuffle BN (He et al. 2020, §3.3) needs BatchNorm statistics computed over several
+independent sub-batches, so that the key of an image is not normalised with the statistics of the
+very sub-batch its query sits in ("the model appears to 'cheat' the pretext task"). Across GPUs each
+device's batch is one sub-batch; on a single device the official MoCo CIFAR demo simulates N devices
+by splitting the batch (``SplitBatchNorm``, num_splits=8). This version keeps BatchNorm2d's buffers
+and parameter shapes, so checkpoints and exported backbones stay plain torchvision state dicts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class SplitBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d whose training-mode statistics are computed over ``num_splits`` contiguous sub-batches.
+
+    Each sub-batch is normalised exactly as if it went through BatchNorm2d on its own; the running
+    statistics move by the average of the sub-batches' statistics. In eval mode it is BatchNorm2d.
+    """
+
+    def __init__(self, num_features: int, num_splits: int, **kwargs) -> None:
+        super().__init__(num_features, **kwargs)
+        self.num_splits = num_splits
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, c, h, w = x.shape
+        s = self.num_splits
+        if not self.training or s == 1:
+            return super().forward(x)
+        if n % s != 0:
+            raise ValueError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        # (n, c, h, w) -> (n/s, s*c, h, w): split j of the batch becomes channel block j
+        xs = x.view(s, n // s, c, h, w).transpose(0, 1).reshape(n // s, s * c, h, w)
+        mean = self.running_mean.repeat(s) if self.track_running_stats else None
+        var = self.running_var.repeat(s) if self.track_running_stats else None
+        y = F.batch_norm(
+            xs, mean, var, self.weight.repeat(s) if self.affine else None, self.bias.repeat(s) if self.affine else None,
+            True, momentum, self.eps,
+        )
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.running_mean.copy_(mean.view(s, c).mean(0))
+                self.running_var.copy_(var.view(s, c).mean(0))
+        return y.view(n // s, s, c, h, w).transpose(0, 1).reshape(n, c, h, w)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_splits={self.num_splits}"
+
+
+def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
+    """Replaces every BatchNorm2d in ``module`` by a SplitBatchNorm2d with the same parameters and buffers."""
+    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, SplitBatchNorm2d):
+        split = SplitBatchNorm2d(module.num_features, num_splits, eps=module.eps, momentum=module.momentum,
+                                 affine=module.affine, track_running_stats=module.track_running_stats)
+        split.load_state_dict(module.state_dict())
+        split.train(module.training)
+        if module.affine:
+            split.weight.requires_grad_(module.weight.requires_grad)
+            split.bias.requires_grad_(module.bias.requires_grad)
+        return split.to(module.weight.device if module.affine else next(iter(module.buffers())).device)
+    for name, child in module.named_children():
+        setattr(module, name, convert_split_bn(child, num_splits))
+    return module

@@ -1,0 +1,225 @@
+"""MoCo under DDP, with 2 processes on CPU (gloo): the queue, shuffle BN, split BN, uneven batches."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch import Callback, LightningDataModule, seed_everything
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from conftest import cpu_trainer, tiny_moco
+from moco_lightning.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
+from moco_lightning.queue import KeyQueue
+from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
+
+B, STEPS = 4, 3  # per-rank batch, optimizer steps
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def no_bn_backbone() -> nn.Module:
+    """Batch-size independent (GroupNorm), so 2 ranks x B and 1 process x 2B compute the same thing."""
+    return nn.Sequential(nn.Conv2d(1, 8, 3, 2, 1), nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+
+class Pairs(Dataset):
+    def __init__(self, v1, v2):
+        self.v1, self.v2 = v1, v2
+
+    def __len__(self):
+        return len(self.v1)
+
+    def __getitem__(self, i):
+        return (self.v1[i], self.v2[i]), 0
+
+
+class GlobalBatches(LightningDataModule):
+    """Global batch g is rows [g*2B, (g+1)*2B) in order; with 2 ranks, rank r gets its r-th half."""
+
+    def __init__(self, per_rank: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.v1 = torch.randn(2 * B * STEPS, 1, 8, 8, generator=g)
+        self.v2 = torch.randn(2 * B * STEPS, 1, 8, 8, generator=g)
+        self.per_rank = per_rank
+
+    def train_dataloader(self):
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        idx = [i for s in range(STEPS) for i in range(s * 2 * B + rank * self.per_rank, s * 2 * B + (rank + 1) * self.per_rank)]
+        assert world * self.per_rank == 2 * B
+        return DataLoader(Pairs(self.v1[idx], self.v2[idx]), batch_size=self.per_rank, shuffle=False)
+
+
+class Record(Callback):
+    def __init__(self, out_dir):
+        self.out_dir, self.losses = out_dir, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save({
+            "queue": pl_module.queue.keys.clone(), "ptr": pl_module.queue.ptr.item(), "losses": self.losses,
+            "backbone": {k: v.clone() for k, v in pl_module.backbone.state_dict().items()},
+            "key_backbone": {k: v.clone() for k, v in pl_module.key_backbone.state_dict().items()},
+            "ddp_ignores": sorted(getattr(trainer.strategy.model, "parameters_to_ignore", [])),
+        }, os.path.join(self.out_dir, f"rank{trainer.global_rank}-of{trainer.world_size}.pt"))
+
+
+def test_ddp_queue_identical_on_ranks_and_equal_to_one_process(tmp_path):
+    def model():
+        seed_everything(0, verbose=False)
+        return tiny_moco(backbone=no_bn_backbone(), image_size=8, queue_size=20, momentum=0.9, lr=0.5, shuffle_bn="off")
+
+    cpu_trainer(max_steps=STEPS, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(model(), GlobalBatches(2 * B))
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    cpu_trainer(max_steps=STEPS, devices=2, strategy=ddp, callbacks=[Record(str(tmp_path))], limit_val_batches=0,
+                use_distributed_sampler=False).fit(
+        model(), GlobalBatches(B)
+    )
+    single, r0, r1 = (torch.load(tmp_path / f, weights_only=False) for f in ("rank0-of1.pt", "rank0-of2.pt", "rank1-of2.pt"))
+    # bit-identical dictionary on both ranks, 3 steps x 8 keys into K=20: wrapped around to slot 4
+    assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == r1["ptr"] == single["ptr"] == (STEPS * 2 * B) % 20
+    # DDP does not re-broadcast the queue from rank 0 (which would hide a missing gather): the ranks agree by themselves
+    assert {"queue.keys", "queue.ptr", "queue.enqueued_at"} <= set(r0["ddp_ignores"])
+    # ... and the same keys, in the same slots, as one process fed the same global batches
+    torch.testing.assert_close(r0["queue"], single["queue"], rtol=1e-5, atol=1e-6)
+    # the same loss (mean of the ranks' means) and the same query-encoder and key-encoder updates
+    assert [(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])] == pytest.approx(single["losses"], rel=1e-5)
+    for name in single["backbone"]:
+        torch.testing.assert_close(r0["backbone"][name], single["backbone"][name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r0["key_backbone"][name], single["key_backbone"][name], rtol=1e-5, atol=1e-6)
+        assert torch.equal(r0["backbone"][name], r1["backbone"][name])
+
+
+def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results = {}
+        # uneven batches: rank 0 holds 5 rows, rank 1 holds 3
+        n = 5 if rank == 0 else 3
+        x = torch.arange(n * 4, dtype=torch.float).view(n, 4) + 100 * rank
+        gathered = concat_all_gather(x)
+        results["gathered"] = gathered
+        torch.manual_seed(rank)  # deliberately different global RNG per rank: the queue must not care
+        queue = KeyQueue(6, 4)
+        dist.broadcast(queue.keys, 0)  # what MoCo.on_fit_start does
+        queue.enqueue(gathered, step=1)
+        results["queue"], results["ptr"] = queue.keys.clone(), queue.ptr.item()
+        # shuffle BN: the unshuffled output of a per-row function equals the unshuffled computation
+        f = nn.Linear(4, 3)
+        torch.manual_seed(0)
+        f.reset_parameters()
+        shuffled, state = shuffle_across_ranks(x, torch.Generator().manual_seed(7))
+        results["shuffled"] = shuffled
+        results["roundtrip"] = unshuffle_across_ranks(f(shuffled), state)
+        results["direct"] = f(x)
+        torch.save(results, os.path.join(out_dir, f"collectives{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uneven_batches_gather_enqueue_and_shuffle_bn_inverse(tmp_path):
+    mp.spawn(_collectives_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"collectives{r}.pt") for r in (0, 1))
+    x0 = torch.arange(20, dtype=torch.float).view(5, 4)
+    x1 = torch.arange(12, dtype=torch.float).view(3, 4) + 100
+    expected = torch.cat([x0, x1])
+    assert torch.equal(r0["gathered"], expected) and torch.equal(r1["gathered"], expected)
+    # 8 keys into K=6: every key enqueued exactly once, in rank order; identical queues
+    assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == r1["ptr"] == 8 % 6
+    assert torch.equal(r0["queue"], torch.cat([expected[6:8], expected[2:6]]))
+    # each rank encodes as many rows as it gave, drawn from both ranks, and gets its own rows back
+    assert r0["shuffled"].shape == (5, 4) and r1["shuffled"].shape == (3, 4)
+    assert sorted(torch.cat([r0["shuffled"], r1["shuffled"]])[:, 0].tolist()) == sorted(expected[:, 0].tolist())
+    assert (r0["shuffled"][:, 0] >= 100).any() or (r1["shuffled"][:, 0] < 100).any()
+    for r in (r0, r1):
+        assert torch.equal(r["roundtrip"], r["direct"])
+
+
+def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
+    from conftest import tiny_data
+
+    seed_everything(0, verbose=False)
+    model = tiny_moco(shuffle_bn="ddp", queue_size=48)
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(model, tiny_data())
+    r0, r1 = (torch.load(tmp_path / f"rank{r}-of2.pt", weights_only=False) for r in (0, 1))
+    assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == 2 * 2 * 16 % 48
+    for name, value in r0["key_backbone"].items():  # the same key encoder weights on both ranks
+        if not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            assert torch.equal(value, r1["key_backbone"][name]), name
+    # each rank's BN saw its own shuffled sub-batch: local statistics differ, as in the paper
+    assert not torch.equal(r0["key_backbone"]["1.running_mean"], r1["key_backbone"]["1.running_mean"])
+
+
+def test_split_bn_equals_bn_on_each_sub_batch():
+    torch.manual_seed(0)
+    x = torch.randn(12, 3, 5, 5) * 3 + 1
+    split, plain = SplitBatchNorm2d(3, num_splits=3, momentum=0.1), nn.BatchNorm2d(3, momentum=0.1)
+    with torch.no_grad():
+        split.weight.uniform_(0.5, 2)
+        split.bias.uniform_(-1, 1)
+    plain.load_state_dict(split.state_dict(), strict=False)
+    out = split(x)
+    stats_mean, stats_var = [], []
+    for chunk, y in zip(x.chunk(3), out.chunk(3)):
+        ref = nn.BatchNorm2d(3, momentum=0.1)
+        ref.load_state_dict(plain.state_dict())
+        torch.testing.assert_close(y, ref(chunk), rtol=1e-5, atol=1e-5)
+        stats_mean.append(ref.running_mean)
+        stats_var.append(ref.running_var)
+    torch.testing.assert_close(split.running_mean, torch.stack(stats_mean).mean(0))
+    torch.testing.assert_close(split.running_var, torch.stack(stats_var).mean(0))
+    assert not torch.allclose(out, plain(x), atol=1e-3)  # differs from whole-batch statistics
+    split.eval()
+    plain.eval()
+    plain.load_state_dict(split.state_dict(), strict=False)
+    torch.testing.assert_close(split(x), plain(x))
+
+
+def test_convert_split_bn_keeps_torchvision_state_dict_keys():
+    import torchvision
+
+    model = torchvision.models.resnet18()
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    convert_split_bn(model, 4)
+    assert isinstance(model.bn1, SplitBatchNorm2d) and model.layer1[0].bn1.num_splits == 4
+    assert {k: v.shape for k, v in model.state_dict().items()} == keys
+    with pytest.raises(ValueError, match="does not split into bn_splits=4"):
+        model(torch.randn(6, 3, 32, 32))
+
+
+def test_auto_shuffle_bn_is_split_on_one_device_and_key_shuffle_is_inverted(seeded):
+    from conftest import tiny_data
+
+    model = tiny_moco(shuffle_bn="auto", bn_splits=4)
+    cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
+    assert model._shuffle == "split" and isinstance(model.key_backbone[1], SplitBatchNorm2d)
+    # with BN in eval mode the shuffled key path equals the plain one: the permutation is inverted exactly
+    model.eval()
+    x = torch.randn(16, 1, 28, 28)
+    plain = model.key(x)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    torch.testing.assert_close(model.key(x), plain)
+
+
+def test_ddp_shuffle_on_one_process_is_a_clear_error(seeded):
+    from conftest import tiny_data
+
+    with pytest.raises(ValueError, match="shuffle_bn='ddp' needs a distributed run"):
+        cpu_trainer(max_steps=1).fit(tiny_moco(shuffle_bn="ddp"), tiny_data())

@@ -1,0 +1,173 @@
+"""Resume after a crash, the NaN guard, checkpoint compatibility, export for downstream use."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import cpu_trainer, tiny_data, tiny_moco
+from moco_lightning import MoCo
+from moco_lightning.export import backbone_state_dict, export_backbone
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  max_epochs: 2
+  logger: false
+  enable_progress_bar: false
+  num_sanity_val_steps: 0
+  limit_val_batches: 1
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: "{ckpt_dir}", every_n_train_steps: 2, save_last: true, save_top_k: -1}}
+    - class_path: conftest.SlowDown
+      init_args: {{seconds: {sleep}}}
+model:
+  backbone: resnet18
+  in_channels: 1
+  image_size: 28
+  hidden_dim: 32
+  dim: 16
+  queue_size: 40
+  momentum: 0.9
+  bn_splits: 2
+data:
+  class_path: moco_lightning.datamodules.FashionMNISTDataModule
+  init_args: {{batch_size: 16, train_subset: 160, val_subset: 16}}
+"""
+
+
+def cli(config: Path, *extra: str):
+    exe = [sys.executable, "-m", "moco_lightning", "fit", "--config", str(config), *extra]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), PYTHONUNBUFFERED="1")
+    return exe, env
+
+
+def test_killed_run_resumes_from_last_checkpoint_and_finishes(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    config = tmp_path / "run.yaml"
+    config.write_text(CONFIG.format(ckpt_dir=ckpt_dir, sleep=0.4))
+    exe, env = cli(config)
+    proc = subprocess.Popen(exe, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    last = ckpt_dir / "last.ckpt"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if last.exists():
+            try:
+                step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+            except Exception:  # noqa: BLE001 - being written
+                step = 0
+            if 4 <= step < 10:  # mid-epoch (10 steps an epoch)
+                proc.send_signal(signal.SIGKILL)
+                break
+        time.sleep(0.1)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    killed_at = torch.load(last, map_location="cpu", weights_only=False)
+    assert 4 <= killed_at["global_step"] < 10
+    config.write_text(CONFIG.format(ckpt_dir=ckpt_dir, sleep=0.0))
+    exe, env = cli(config, "--ckpt_path", "last")
+    done = subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = torch.load(last, map_location="cpu", weights_only=False)
+    assert final["global_step"] == 20 and final["epoch"] == 1
+    # the restored run carried the queue on: every step after the kill enqueued its 16 keys
+    assert final["state_dict"]["queue.ptr"].item() == (20 * 16) % 40
+    assert final["state_dict"]["queue.enqueued_at"].max().item() == 20
+
+
+def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(seeded, tmp_path):
+    model = tiny_moco()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = cpu_trainer(max_epochs=1, callbacks=[checkpoint], enable_checkpointing=True, limit_val_batches=0)
+    original = model.contrast
+
+    def poisoned(x_q, x_k):
+        out = original(x_q, x_k)
+        if trainer.global_step == 2:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    model.contrast = poisoned
+    with pytest.raises(FloatingPointError, match=r"loss is nan at global step 2 \(epoch 0, batch 2\).*lr=0.06.*temperature=0.2"):
+        trainer.fit(model, tiny_data())
+    saved = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert saved == ["step=1.ckpt", "step=2.ckpt"]
+    good = MoCo.load_from_checkpoint(tmp_path / "step=2.ckpt", backbone=tiny_moco().backbone)
+    assert all(torch.isfinite(p).all() for p in good.parameters())
+
+
+def test_nan_loss_can_skip_the_batch(seeded):
+    model = tiny_moco(on_nan="skip", queue_size=64)
+    original = model.contrast
+    calls = []
+
+    def poisoned(x_q, x_k):
+        out = original(x_q, x_k)
+        calls.append(1)
+        if len(calls) == 2:
+            out["loss"] = out["loss"] * float("inf")
+        return out
+
+    model.contrast = poisoned
+    trainer = cpu_trainer(max_epochs=1, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="loss is inf at global step 1.*batch skipped"):
+        trainer.fit(model, tiny_data())
+    # Lightning still counts the optimizer call of the skipped batch (it has no gradients, so SGD leaves the weights)
+    assert trainer.global_step == 4
+    # the skipped batch's keys were not enqueued: keys of 3 batches, written at steps 1, 3 and 4
+    assert model.queue.ptr.item() == 3 * 16
+    assert set(model.queue.enqueued_at.tolist()) == {-1, 1, 3, 4}
+
+
+def test_checkpoint_mismatch_says_what_differs(seeded, tmp_path):
+    model = tiny_moco(backbone="resnet18", hidden_dim=16)
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    other = tiny_moco(backbone="resnet18", hidden_dim=16, queue_size=64, dim=4)
+    with pytest.raises(ValueError, match=r"dim: checkpoint 8, model 4; queue_size: checkpoint 32, model 64"):
+        cpu_trainer(max_steps=2, limit_val_batches=0).fit(other, tiny_data(), ckpt_path=path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert checkpoint["moco_lightning"]["format_version"] == MoCo.FORMAT_VERSION
+    checkpoint["moco_lightning"]["format_version"] = MoCo.FORMAT_VERSION + 1
+    torch.save(checkpoint, tmp_path / "future.ckpt")
+    with pytest.raises(ValueError, match=r"checkpoint format 2 .* is newer than this moco-lightning"):
+        MoCo.load_from_checkpoint(tmp_path / "future.ckpt")
+
+
+def test_exported_backbone_loads_strictly_into_torchvision_and_gives_the_same_features(seeded, tmp_path):
+    model = MoCo(backbone="resnet18", in_channels=1, queue_size=16, dim=8, hidden_dim=16, shuffle_bn="off")
+    trainer = cpu_trainer(max_steps=2, limit_val_batches=0)
+    trainer.fit(model, tiny_data(batch_size=8, train_subset=16, val_subset=8))
+    ckpt = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(ckpt)
+    out = export_backbone(ckpt, tmp_path / "backbone.pt")
+    fresh = torchvision.models.resnet18()
+    fresh.conv1 = torch.nn.Conv2d(1, 64, 7, 2, 3, bias=False)  # the grayscale stem it was trained with
+    fresh.fc = torch.nn.Identity()
+    fresh.load_state_dict(torch.load(out), strict=True)
+    fresh.eval()
+    model.eval()
+    x = torch.randn(4, 1, 28, 28)
+    assert torch.equal(fresh(x), model(x))
+    key = backbone_state_dict(ckpt, "key")
+    assert not torch.equal(key["conv1.weight"], model.backbone.conv1.weight)  # the key encoder lags behind
+    result = subprocess.run([sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "k.pt"),
+                             "--encoder", "key"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "key encoder backbone" in result.stdout
+    assert torch.equal(torch.load(tmp_path / "k.pt")["conv1.weight"], key["conv1.weight"])
+    missing = subprocess.run([sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", "x.pt"],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "nope.ckpt does not exist" in missing.stderr
