@@ -131,7 +131,8 @@ class InMemoryDataModule(LightningDataModule):
                 gray_prob=gray_prob, blur_prob=(blur_prob, blur_prob), mean=self.mean, std=self.std,
             )
         else:  # the linear-evaluation protocol: random resized crop (0.08-1) and flip only
-            self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, mean=self.mean, std=self.std, n_views=1)
+            self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, blur_prob=(0.0,),
+                                    solarize_prob=(0.0,), mean=self.mean, std=self.std, n_views=1)
         self._generator: Optional[torch.Generator] = None
         self._generator_state: Optional[Tensor] = None
         self._splits: dict[str, ImageTensorDataset] = {}

@@ -23,7 +23,8 @@ def torchvision_models() -> list[str]:
 
 
 def build_backbone(
-    backbone: Union[str, nn.Module], cifar_stem: bool = False, in_channels: int = 3, image_size: int = 224
+    backbone: Union[str, nn.Module], cifar_stem: bool = False, in_channels: int = 3, image_size: int = 224,
+    width: float = 1.0,
 ) -> Tuple[nn.Module, int]:
     """Returns ``(feature_extractor, feature_dim)``.
 
@@ -33,14 +34,21 @@ def build_backbone(
         cifar_stem: ResNets only: 3x3 stride-1 first convolution, no max-pool (for 28-64 px images).
         in_channels: input channels; the first convolution is rebuilt when this is not 3.
         image_size: side of the dummy input used to find D when it cannot be read off the model.
+        width: ResNets only: every stage's channels times ``width`` (0.5: 32-64-128-256 for ResNet-18),
+            for small data and small machines.
     """
     if isinstance(backbone, nn.Module):
         return backbone, _probe_dim(backbone, in_channels, image_size)
     names = torchvision_models()
     if backbone not in names:
         raise ValueError(f"backbone={backbone!r} is not a torchvision classification model; use one of {names} or pass an nn.Module")
+    if width <= 0:
+        raise ValueError(f"width must be > 0, got {width}")
     kwargs = {"image_size": image_size} if backbone.startswith("vit_") else {}
-    model = torchvision.models.get_model(backbone, weights=None, **kwargs)
+    if width != 1.0:
+        model = _narrow_resnet(backbone, width)
+    else:
+        model = torchvision.models.get_model(backbone, weights=None, **kwargs)
     if cifar_stem:
         if not (hasattr(model, "conv1") and hasattr(model, "maxpool")):
             raise ValueError(f"cifar_stem=True applies to ResNet-style backbones (conv1 + maxpool); {backbone!r} has none")
@@ -58,6 +66,29 @@ def build_backbone(
     else:
         raise ValueError(f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead")
     return model, dim if dim is not None else _probe_dim(model, in_channels, image_size)
+
+
+def _narrow_resnet(name: str, width: float) -> nn.Module:
+    """torchvision's ResNet ``name`` with every stage ``width`` times as wide (same code, same state-dict keys)."""
+    if not (name.startswith("resnet") and name[6:].isdigit()):
+        raise ValueError(f"width={width} applies to torchvision's resnetNN backbones, not {name!r}")
+    reference = torchvision.models.get_model(name, weights=None)
+    block = type(reference.layer1[0])
+    layers = [len(getattr(reference, f"layer{i}")) for i in range(1, 5)]
+
+    class NarrowResNet(torchvision.models.ResNet):
+        def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # noqa: ANN001 - torchvision's signature
+            if planes == 64:  # the first stage: its input is the (narrow) stem
+                self.inplanes = max(1, round(64 * width))
+            return super()._make_layer(block, max(1, round(planes * width)), blocks, stride, dilate)
+
+    model = NarrowResNet(block, layers)
+    stem = max(1, round(64 * width))
+    model.conv1 = nn.Conv2d(3, stem, 7, 2, 3, bias=False)
+    model.bn1 = nn.BatchNorm2d(stem)
+    model.fc = nn.Linear(max(1, round(512 * width)) * block.expansion, 1000)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    return model
 
 
 def _replace_first_conv(model: nn.Module, in_channels: int) -> None:

@@ -18,7 +18,7 @@ from .moco import MoCo
 
 
 class MoCoCLI(LightningCLI):
-    """LightningCLI that ends ``fit`` with a table of the final metrics."""
+    """LightningCLI that ends ``fit`` with a table of the final metrics (used by ``linear_eval`` too)."""
 
     def after_fit(self) -> None:
         metrics = {k: float(v) for k, v in sorted(self.trainer.callback_metrics.items()) if v.numel() == 1}

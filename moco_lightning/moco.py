@@ -44,6 +44,7 @@ class MoCo(LightningModule):
         cifar_stem: 3x3 stride-1 stem without max-pool for small images (ResNets).
         in_channels: image channels (1 for grayscale).
         image_size: input side, used only to find the feature size of models that need it.
+        width: ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).
         head: ``"linear"`` (v1: fc to ``dim``) or ``"mlp"`` (v2: fc-ReLU-fc, hidden ``hidden_dim``).
         dim: embedding size C of q and k.
         queue_size: K, number of negative keys; 0 uses the other keys of the batch as negatives.
@@ -61,6 +62,8 @@ class MoCo(LightningModule):
             device (both encoders, as the official CIFAR demo) and shuffles the key batch, ``"off"``;
             ``"auto"``: ``"ddp"`` with several processes, ``"split"`` on one, ``"off"`` without BatchNorm.
         bn_splits: sub-batches for ``"split"``; the per-device batch must be a multiple of it.
+        channels_last: keep the encoders and their inputs in channels-last memory format (faster
+            convolutions on CPUs and tensor cores; measured +50 % for a narrow ResNet-18 on 2 CPU cores).
         on_nan: a non-finite loss ``"raise"``s (stops training before a checkpoint holds bad weights) or
             ``"skip"``s the batch with a warning (single process only: DDP ranks must step together).
     """
@@ -73,6 +76,7 @@ class MoCo(LightningModule):
         cifar_stem: bool = False,
         in_channels: int = 3,
         image_size: int = 224,
+        width: float = 1.0,
         head: Literal["linear", "mlp"] = "mlp",
         dim: int = 128,
         hidden_dim: int = 2048,
@@ -90,13 +94,14 @@ class MoCo(LightningModule):
         warmup_epochs: float = 0.0,
         shuffle_bn: Literal["auto", "ddp", "split", "off"] = "auto",
         bn_splits: int = 8,
+        channels_last: bool = False,
         on_nan: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
         _check_arguments(locals())
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         # f_q: the query encoder, trained by backprop
-        self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size)
+        self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
         self.projection_head = (
             ProjectionHead([(self.feature_dim, dim, None, None)]) if head == "linear"
             else MoCoProjectionHead(self.feature_dim, hidden_dim, dim)
@@ -116,16 +121,17 @@ class MoCo(LightningModule):
     # --- the two encoders -------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
         """Backbone features of the query encoder: what evaluation and downstream use consume."""
-        return self.backbone(x)
+        return self.backbone(self._layout(x))
 
     def query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(features, q): backbone features and the L2-normalised query embedding."""
-        h = self.backbone(x)
+        h = self.backbone(self._layout(x))
         return h, F.normalize(self.projection_head(h), dim=1)
 
     @torch.no_grad()
     def key(self, x: Tensor) -> Tensor:
         """k: the L2-normalised key embedding, without gradient; the batch is shuffled for BN in training."""
+        x = self._layout(x)
         shuffle = self._shuffle if self.training else "off"
         if shuffle == "off":
             return F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1)
@@ -137,6 +143,9 @@ class MoCo(LightningModule):
         perm = torch.randperm(x.shape[0], generator=g).to(x.device)
         k = F.normalize(self.key_projection_head(self.key_backbone(x[perm])), dim=1)
         return torch.empty_like(k).index_copy_(0, perm, k)
+
+    def _layout(self, x: Tensor) -> Tensor:
+        return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last and x.ndim == 4 else x
 
     def contrast(self, x_q: Tensor, x_k: Tensor) -> dict[str, Tensor]:
         """The InfoNCE loss of one step, without touching the queue or the key encoder's weights."""
@@ -168,6 +177,8 @@ class MoCo(LightningModule):
             warnings.warn("MoCo: sync_batchnorm=True computes BN statistics over the global batch, which defeats "
                           f"shuffle_bn={mode!r} for MoCo v1/v2; turn one of them off", stacklevel=2)
         self._shuffle = mode
+        if self.hparams.channels_last:
+            self.to(memory_format=torch.channels_last)
 
     def on_fit_start(self) -> None:
         if world_size() > 1:  # identical initial queue on every rank, even without a common seed
@@ -257,7 +268,7 @@ class MoCo(LightningModule):
                 f"this moco-lightning {__version__} reads (format {self.FORMAT_VERSION}): upgrade moco-lightning"
             )
         saved = checkpoint.get("hyper_parameters", {})
-        structural = ("backbone", "cifar_stem", "in_channels", "head", "dim", "hidden_dim", "queue_size")
+        structural = ("backbone", "cifar_stem", "in_channels", "width", "head", "dim", "hidden_dim", "queue_size")
         differ = [f"{k}: checkpoint {saved[k]!r}, model {self.hparams[k]!r}" for k in structural
                   if k in saved and k in self.hparams and saved[k] != self.hparams[k]]
         if differ:
@@ -364,6 +375,7 @@ def _check_arguments(args: dict) -> None:
         ("hidden_dim", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
         ("in_channels", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
         ("image_size", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("width", lambda v: v > 0, "a number > 0"),
         ("head", lambda v: v in ("linear", "mlp"), "'linear' (v1) or 'mlp' (v2)"),
         ("momentum_schedule", lambda v: v in ("constant", "cosine"), "'constant' or 'cosine'"),
         ("lr_schedule", lambda v: v in ("cosine", "step", "constant"), "'cosine', 'step' or 'constant'"),

@@ -1,0 +1,195 @@
+"""Helpers shared by the evaluation callbacks: loaders, sharding, embedding, modes and logging.
+
+Everything here works on any ``nn.Module`` whose ``forward(x)`` returns features (N, D) and on any
+iterable of ``(image, target[, index])`` batches; the collectives are no-ops without a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from moco_lightning.distributed import concat_all_gather, rank, world_size
+
+LoaderLike = Union[Iterable, Callable[[], Iterable]]
+
+__all__ = [
+    "LoaderLike", "concat_all_gather", "denormalize", "embed", "eval_mode", "first_view", "forward_context",
+    "log_now", "rank", "resolve_loader", "resolve_num_classes", "shard", "sum_across_ranks", "tensorboard_writer",
+    "world_size",
+]
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """Puts ``module`` in eval mode and restores every submodule's own ``training`` flag afterwards.
+
+    ``module.train(previous)`` would not do: a module may hold submodules deliberately left in eval
+    mode (a frozen backbone, a key encoder), which a blanket ``train()`` would flip.
+    """
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def first_view(x: Any) -> Tensor:
+    """The first view of a pretraining batch's ``[view_1, view_2]``, or the image tensor itself."""
+    return x[0] if isinstance(x, (list, tuple)) else x
+
+
+def resolve_loader(explicit: Optional[LoaderLike], trainer: Optional[Trainer], method: str) -> Iterable:
+    """``explicit`` (a loader, or a callable returning one) if given, else ``trainer.datamodule.<method>()``."""
+    if explicit is not None:
+        return explicit() if callable(explicit) and not isinstance(explicit, DataLoader) else explicit
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    fn = getattr(dm, method, None)
+    if fn is None:
+        raise ValueError(
+            f"no loader to evaluate with: the trainer's datamodule has no {method}() (see "
+            "moco_lightning.datamodules.base for the contract); pass the loader to the callback instead"
+        )
+    return fn()
+
+
+def resolve_num_classes(explicit: Optional[int], trainer: Optional[Trainer]) -> Optional[int]:
+    """``explicit`` if given, else ``trainer.datamodule.num_classes``, else None."""
+    if explicit is not None:
+        return int(explicit)
+    n = getattr(getattr(trainer, "datamodule", None), "num_classes", None)
+    return int(n) if n is not None else None
+
+
+def shard(loader: Iterable, rank_: int, world: int, limit: Optional[int] = None) -> Iterator[Tuple[Tensor, Tensor]]:
+    """Yields ``(images, targets)`` of this rank's disjoint share of the first ``limit`` samples.
+
+    A ``DataLoader`` over a map-style dataset is rebuilt (same batch size, collate function and
+    workers) on the indices ``range(n)[rank::world]``, so each rank loads only its share. Any other
+    iterable is walked by every rank, which keeps the batches ``i`` with ``i % world == rank``. Shard
+    sizes may differ by one sample (or one batch).
+    """
+    if world > 1 or limit is not None:
+        rebuilt = _rebuild(loader, rank_, world, limit)
+        if rebuilt is not None:
+            for batch in rebuilt:
+                yield batch[0], batch[1]
+            return
+    seen = 0
+    for i, batch in enumerate(loader):
+        if limit is not None and seen >= limit:
+            return
+        x, y = batch[0], batch[1]
+        if limit is not None and seen + len(y) > limit:
+            x, y = x[: limit - seen], y[: limit - seen]
+        seen += len(y)
+        if i % world == rank_:
+            yield x, y
+
+
+def _rebuild(loader: Iterable, rank_: int, world: int, limit: Optional[int]) -> Optional[DataLoader]:
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        return None
+    try:
+        n = len(loader.dataset)
+    except TypeError:
+        return None
+    order = list(range(n if limit is None else min(n, limit)))  # evaluation loaders are in dataset order
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=order[rank_::world], collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
+    )
+
+
+@torch.no_grad()
+def embed(
+    module: nn.Module,
+    loader: Iterable,
+    device: torch.device,
+    limit: Optional[int] = None,
+    gather: bool = True,
+    normalize: bool = True,
+    forward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """Features ``module(x)`` (float32, L2-normalised if ``normalize``) and targets of a loader.
+
+    The module runs in eval mode under ``no_grad`` (every submodule's mode restored afterwards),
+    batch by batch, keeping features only. Under DDP each rank embeds its own shard and, with
+    ``gather``, the result holds every rank's rows (in rank order); without a process group it is
+    simply the whole loader (or its first ``limit`` samples).
+    """
+    r, ws = rank(), world_size()
+    feats, targets = [], []
+    ctx = forward_context or contextlib.nullcontext
+    with eval_mode(module):
+        for x, y in shard(loader, r, ws, limit):
+            with ctx():
+                f = module(x.to(device, non_blocking=True))
+            f = f.float().flatten(1)
+            feats.append(torch.nn.functional.normalize(f, dim=1) if normalize else f)
+            targets.append(torch.as_tensor(y).to(device).long())
+    dim = feats[0].shape[1] if feats else 0
+    if ws > 1:  # a rank left without samples still needs the feature size for the gather
+        d = torch.tensor([dim], device=device)
+        dist.all_reduce(d, op=dist.ReduceOp.MAX)
+        dim = int(d)
+    f = torch.cat(feats) if feats else torch.empty(0, dim, device=device)
+    t = torch.cat(targets) if targets else torch.empty(0, dtype=torch.long, device=device)
+    if gather and ws > 1:
+        f, t = concat_all_gather(f), concat_all_gather(t)
+    return f, t
+
+
+def sum_across_ranks(x: Tensor) -> Tensor:
+    """Element-wise sum of ``x`` over all ranks (a copy); ``x`` itself without a process group."""
+    if world_size() == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def forward_context(trainer: Optional[Trainer]) -> Optional[Callable[[], contextlib.AbstractContextManager]]:
+    """The precision plugin's forward context (autocast under mixed precision), if there is a trainer."""
+    plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
+    return getattr(plugin, "forward_context", None)
+
+
+def log_now(trainer: Trainer, metrics: dict[str, float], step: Optional[int] = None) -> None:
+    """Writes ``metrics`` to every logger at ``step`` (default: the global step) and into
+    ``trainer.callback_metrics`` (so ``ModelCheckpoint``/``EarlyStopping`` can monitor them).
+
+    For hooks where ``LightningModule.log`` is not allowed, or would defer the write to a later step.
+    Loggers write on rank 0 only.
+    """
+    step = trainer.global_step if step is None else step
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+    trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+
+
+def tensorboard_writer(trainer: Trainer) -> Any:
+    """The ``SummaryWriter`` of the first ``TensorBoardLogger`` among the trainer's loggers, else None."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
+
+
+def denormalize(x: Tensor, mean: Optional[Sequence[float]], std: Optional[Sequence[float]]) -> Tensor:
+    """``x * std + mean`` per channel, clamped to [0, 1]; unchanged (but clamped) without statistics."""
+    x = x.detach().float().cpu()
+    if mean is not None and std is not None:
+        m = torch.as_tensor(mean, dtype=x.dtype).view(1, -1, 1, 1)
+        s = torch.as_tensor(std, dtype=x.dtype).view(1, -1, 1, 1)
+        x = x * s + m
+    return x.clamp(0, 1)

@@ -1,0 +1,196 @@
+"""Weighted k-nearest-neighbour accuracy of the backbone's features, monitored during pretraining.
+
+The classifier of Wu et al., "Unsupervised Feature Learning via Non-Parametric Instance
+Discrimination" (InstDisc), CVPR 2018, https://arxiv.org/abs/1805.01978, §3.4: the k training
+features most cosine-similar to a query vote for their class with weight ``exp(sim / T)``, and the
+class with the largest summed weight wins. The official MoCo CIFAR-10 demo
+(facebookresearch/moco, ``colab/moco_cifar10_demo.ipynb``) monitors pretraining with it, k = 200,
+T = 0.1; so does lightly (``lightly.utils.benchmarking.knn_predict``, which :func:`knn_scores`
+reproduces with a ``scatter_add`` instead of a (N, k, C) one-hot, and without importing lightly's
+benchmarking package, which pulls in the separate ``pytorch_lightning`` package).
+
+What this monitor does that the peers got wrong (see the repository's notes on MoCo pitfalls):
+the bank comes from the *train split with the evaluation transform* (not augmented views), holds
+features only, is built in eval mode under ``no_grad`` and gathered across DDP ranks; accuracy is
+the sum of correct predictions over the sum of samples across ranks; the class count comes from
+the datamodule, never from the validation labels. It only ever calls ``pl_module(x)``: no queue,
+no key encoder, no state of the module is touched.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+
+from ._utils import LoaderLike, embed, forward_context, log_now, resolve_loader, resolve_num_classes, sum_across_ranks
+
+__all__ = ["KNNMonitor", "knn_accuracy", "knn_counts", "knn_scores"]
+
+
+def knn_scores(features: Tensor, bank: Tensor, bank_targets: Tensor, num_classes: int, k: int, temperature: float) -> Tensor:
+    """Class scores (N, C) of the weighted kNN vote: ``sum over the k most similar bank rows of exp(sim / T)``.
+
+    ``features`` (N, D) and ``bank`` (M, D) L2-normalised, so ``sim`` is the cosine similarity;
+    ``bank_targets`` (M,) int64 in ``[0, num_classes)``; ``k <= M``.
+    """
+    sim, idx = (features @ bank.t()).topk(k, dim=1)
+    scores = torch.zeros(features.shape[0], num_classes, device=features.device, dtype=sim.dtype)
+    return scores.scatter_add_(1, bank_targets[idx], (sim / temperature).exp())
+
+
+@torch.no_grad()
+def knn_counts(
+    features: Tensor,
+    targets: Tensor,
+    bank: Tensor,
+    bank_targets: Tensor,
+    num_classes: int,
+    k: int = 200,
+    temperature: float = 0.1,
+    chunk_size: int = 256,
+    topk: Sequence[int] = (1, 5),
+) -> Tensor:
+    """Counts of correct weighted-kNN predictions on this process: ``[correct@k for k in topk] + [total]``.
+
+    ``features`` (N, D) and ``bank`` (M, D) must be L2-normalised (similarity = dot product).
+    ``k`` is clipped to the bank size and each ``topk`` to ``num_classes``. Queries are classified
+    ``chunk_size`` at a time, so memory is O(chunk_size * (M + num_classes)).
+    """
+    if bank.shape[0] == 0:
+        raise ValueError("the kNN feature bank is empty: the bank loader gave no samples")
+    k = min(k, bank.shape[0])
+    bank_targets = bank_targets.to(bank.device).long()
+    correct = torch.zeros(len(topk), dtype=torch.long, device=bank.device)
+    for start in range(0, features.shape[0], chunk_size):
+        f = features[start:start + chunk_size].to(bank.device, bank.dtype)
+        y = targets[start:start + chunk_size].to(bank.device).long()
+        scores = knn_scores(f, bank, bank_targets, num_classes, k, temperature)
+        for i, j in enumerate(topk):
+            correct[i] += (scores.topk(min(j, num_classes), dim=1).indices == y[:, None]).any(1).sum()
+    total = torch.tensor([features.shape[0]], dtype=torch.long, device=bank.device)
+    return torch.cat([correct, total])
+
+
+def knn_accuracy(
+    module: nn.Module,
+    bank_loader,
+    val_loader,
+    num_classes: Optional[int] = None,
+    k: int = 200,
+    temperature: float = 0.1,
+    max_bank_size: Optional[int] = None,
+    chunk_size: int = 256,
+    device: Optional[torch.device] = None,
+    forward_ctx: Optional[Callable] = None,
+) -> dict[str, float]:
+    """Weighted-kNN top-1 / top-5 accuracy (in [0, 1]) of ``module``'s features, on one or many processes.
+
+    Each rank embeds its shard of ``bank_loader`` (the first ``max_bank_size`` samples when set)
+    and of ``val_loader``; the bank is gathered from all ranks, and the correct counts and sample
+    counts are summed over ranks before dividing. ``num_classes`` None: 1 + the largest bank label.
+    Returns ``{"acc1", "acc5", "total"}`` (the same on every rank).
+    """
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    bank, bank_targets = embed(module, bank_loader, device, limit=max_bank_size, gather=True, forward_context=forward_ctx)
+    if num_classes is None:
+        num_classes = int(bank_targets.max()) + 1 if bank_targets.numel() else 1
+    elif bank_targets.numel() and int(bank_targets.max()) >= num_classes:
+        raise ValueError(f"the bank holds label {int(bank_targets.max())} but num_classes is {num_classes}")
+    feats, targets = embed(module, val_loader, device, gather=False, forward_context=forward_ctx)
+    counts = knn_counts(feats, targets, bank, bank_targets, num_classes, k, temperature, chunk_size)
+    counts = sum_across_ranks(counts).tolist()
+    total = max(counts[2], 1)
+    return {"acc1": counts[0] / total, "acc5": counts[1] / total, "total": counts[2]}
+
+
+class KNNMonitor(Callback):
+    """Logs the weighted-kNN accuracy of the features: ``<log_prefix>/knn_acc1`` and ``.../knn_acc5``.
+
+    Accuracies are fractions in [0, 1], like MoCo's own; top-5 means top-min(5, num_classes).
+    Runs once when training starts from step 0 (the random-initialisation baseline, written to the
+    loggers at step 0) and at the end of every ``every_n_epochs``-th training epoch (through
+    ``pl_module.log``, which Lightning writes at the index of the epoch's last optimizer step, i.e.
+    ``global_step - 1``; ``history`` records ``global_step``). The bank is the train split with the
+    evaluation transform, ``trainer.datamodule.eval_train_dataloader()``; the queries are
+    ``trainer.datamodule.eval_val_dataloader()``. Batches are ``(image, target[, index])``.
+    The metrics are in ``trainer.callback_metrics`` for ``ModelCheckpoint`` / ``EarlyStopping``.
+
+    Works with any LightningModule whose ``forward(x)`` returns features (N, D).
+
+    Args:
+        every_n_epochs: evaluate after every n-th training epoch (0: only the baseline).
+        k: neighbours that vote (InstDisc / MoCo demo: 200); clipped to the bank size.
+        temperature: T of the vote weights ``exp(sim / T)`` (0.1).
+        max_bank_size: use only the first N train samples as the bank (None: all of them).
+            The bank holds N x D float32 features, spread over the devices while it is built.
+        chunk_size: queries classified at a time (bounds the N x bank similarity matrix).
+        log_prefix: metric names are ``f"{log_prefix}/knn_acc1"`` and ``.../knn_acc5``.
+        num_classes: overrides ``trainer.datamodule.num_classes``.
+        bank_dataloader, val_dataloader: loaders, or callables returning one, used instead of the
+            datamodule's evaluation loaders.
+        run_at_start: evaluate the baseline in ``on_train_start`` (skipped when resuming mid-run).
+
+    Attributes:
+        history: ``[(global_step, acc1), ...]`` of every evaluation, kept in checkpoints.
+    """
+
+    def __init__(
+        self,
+        every_n_epochs: int = 1,
+        k: int = 200,
+        temperature: float = 0.1,
+        max_bank_size: Optional[int] = None,
+        chunk_size: int = 256,
+        log_prefix: str = "val",
+        num_classes: Optional[int] = None,
+        bank_dataloader: Optional[LoaderLike] = None,
+        val_dataloader: Optional[LoaderLike] = None,
+        run_at_start: bool = True,
+    ) -> None:
+        super().__init__()
+        if every_n_epochs < 0:
+            raise ValueError(f"every_n_epochs must be >= 0 (0: only the baseline), got {every_n_epochs}")
+        if k < 1 or temperature <= 0 or chunk_size < 1:
+            raise ValueError(f"need k >= 1, temperature > 0, chunk_size >= 1; got {k}, {temperature}, {chunk_size}")
+        if max_bank_size is not None and max_bank_size < 1:
+            raise ValueError(f"max_bank_size must be None or >= 1, got {max_bank_size}")
+        self.every_n_epochs, self.k, self.temperature = every_n_epochs, k, temperature
+        self.max_bank_size, self.chunk_size, self.log_prefix = max_bank_size, chunk_size, log_prefix
+        self.num_classes, self.run_at_start = num_classes, run_at_start
+        self.bank_dataloader, self.val_dataloader = bank_dataloader, val_dataloader
+        self.history: list[tuple[int, float]] = []
+
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """Runs the kNN evaluation now; returns ``{name: accuracy in [0, 1]}`` and records it in ``history``."""
+        result = knn_accuracy(
+            pl_module,
+            resolve_loader(self.bank_dataloader, trainer, "eval_train_dataloader"),
+            resolve_loader(self.val_dataloader, trainer, "eval_val_dataloader"),
+            num_classes=resolve_num_classes(self.num_classes, trainer),
+            k=self.k, temperature=self.temperature, max_bank_size=self.max_bank_size,
+            chunk_size=self.chunk_size, device=pl_module.device, forward_ctx=forward_context(trainer),
+        )
+        metrics = {f"{self.log_prefix}/knn_acc1": result["acc1"], f"{self.log_prefix}/knn_acc5": result["acc5"]}
+        self.history.append((trainer.global_step, metrics[f"{self.log_prefix}/knn_acc1"]))
+        return metrics
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.run_at_start and trainer.global_step == 0:
+            # self.log here would be written at the end of the first epoch: write at step 0 directly.
+            log_now(trainer, self.evaluate(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:
+            for name, value in self.evaluate(trainer, pl_module).items():
+                # identical on every rank already; sync_dist only silences Lightning's DDP warning
+                pl_module.log(name, value, on_step=False, on_epoch=True, sync_dist=True)
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.history = [tuple(h) for h in state_dict.get("history", [])]
