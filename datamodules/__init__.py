@@ -2,13 +2,31 @@
 
 from .base import ImageTensorDataset, InMemoryDataModule, NormalizeCollate, SeededRandomSampler
 from .batch_views import BatchViews
+from .cifar import CIFAR10DataModule, CIFAR100DataModule
 from .fashion_mnist import FashionMNISTDataModule
+from .image_folder import BadImageError, ImageFolderDataModule, load_image
+from .stl10 import STL10DataModule
+from .transforms import PRESETS, ViewSettings, batch_views, moco_v1, moco_v2, moco_v3, pil_views, view_settings
 
 __all__ = [
+    "BadImageError",
     "BatchViews",
+    "CIFAR10DataModule",
+    "CIFAR100DataModule",
     "FashionMNISTDataModule",
+    "ImageFolderDataModule",
     "ImageTensorDataset",
     "InMemoryDataModule",
     "NormalizeCollate",
+    "PRESETS",
+    "STL10DataModule",
     "SeededRandomSampler",
+    "ViewSettings",
+    "batch_views",
+    "load_image",
+    "moco_v1",
+    "moco_v2",
+    "moco_v3",
+    "pil_views",
+    "view_settings",
 ]

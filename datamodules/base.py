@@ -19,6 +19,7 @@ your own needs only ``train_dataloader`` yielding ``([view_1, view_2], ...)`` to
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -131,8 +132,7 @@ class InMemoryDataModule(LightningDataModule):
                 gray_prob=gray_prob, blur_prob=(blur_prob, blur_prob), mean=self.mean, std=self.std,
             )
         else:  # the linear-evaluation protocol: random resized crop (0.08-1) and flip only
-            self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, blur_prob=(0.0,),
-                                    solarize_prob=(0.0,), mean=self.mean, std=self.std, n_views=1)
+            self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, mean=self.mean, std=self.std, n_views=1)
         self._generator: Optional[torch.Generator] = None
         self._generator_state: Optional[Tensor] = None
         self._splits: dict[str, ImageTensorDataset] = {}
@@ -176,7 +176,7 @@ class InMemoryDataModule(LightningDataModule):
         if trainer is None or not (trainer.training or trainer.validating or trainer.sanity_checking):
             return batch
         images, targets, index = batch
-        if images.dtype != torch.uint8:  # already an evaluation batch
+        if not isinstance(images, Tensor) or images.dtype != torch.uint8:  # views already made, or an evaluation batch
             return batch
         if trainer.training:
             views = self.views(images, self._train_generator(images.device))
@@ -199,7 +199,10 @@ class InMemoryDataModule(LightningDataModule):
             rank = self.trainer.global_rank if self.trainer is not None else 0  # each rank its own stream
             self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
             if self._generator_state is not None:  # a checkpoint holds rank 0's state: other ranks branch off it
-                self._generator.set_state(self._generator_state)
+                try:
+                    self._generator.set_state(self._generator_state)
+                except RuntimeError:  # e.g. a GPU run resumed on a CPU: the state formats differ
+                    warnings.warn("the checkpoint's augmentation RNG state does not fit this device; views restart from `seed`", stacklevel=2)
                 if rank > 0:
                     branch = int(torch.randint(0, 2**62, (1,), generator=self._generator, device=device))
                     self._generator.manual_seed(branch + rank)

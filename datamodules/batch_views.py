@@ -37,10 +37,10 @@ class BatchViews(nn.Module):
         jitter_prob: probability of colour jitter (v1: 1.0 with strength 0.4; v2: 0.8).
         jitter: (brightness, contrast, saturation, hue) strengths, as torchvision's ``ColorJitter``.
         gray_prob: probability of converting to grayscale.
-        blur_prob: probability of Gaussian blur, one value per view (v3 uses 1.0 and 0.1).
+        blur_prob: probability of Gaussian blur, one value for all views or one per view (v3: 1.0 and 0.1).
         blur_sigma: range of the blur's standard deviation, as a fraction of ``size / 224``
             scaled to pixels the way the paper's 23-px kernel at 224 px is.
-        solarize_prob: probability of solarization, one value per view (v3: 0.0 and 0.2).
+        solarize_prob: probability of solarization, one value for all views or one per view (v3: 0.0 and 0.2).
         mean, std: normalisation statistics, one per channel.
         n_views: how many views to return.
     """
@@ -54,9 +54,9 @@ class BatchViews(nn.Module):
         jitter_prob: float = 0.8,
         jitter: Tuple[float, float, float, float] = (0.4, 0.4, 0.4, 0.1),
         gray_prob: float = 0.2,
-        blur_prob: Sequence[float] = (0.0, 0.0),
+        blur_prob: Sequence[float] | float = 0.0,
         blur_sigma: Tuple[float, float] = (0.1, 2.0),
-        solarize_prob: Sequence[float] = (0.0, 0.0),
+        solarize_prob: Sequence[float] | float = 0.0,
         mean: Sequence[float] = (0.5,),
         std: Sequence[float] = (0.5,),
         n_views: int = 2,
@@ -130,7 +130,7 @@ class BatchViews(nn.Module):
         apply = self._rand(n, x, g, 1, 1, 1) < self.jitter_prob
 
         def factor(strength: float) -> Tensor:
-            return 1 + strength * (2 * self._rand(n, x, g, 1, 1, 1) - 1)
+            return (1 + strength * (2 * self._rand(n, x, g, 1, 1, 1) - 1)).clamp_(min=0)
 
         y = x
         if b > 0:

@@ -306,7 +306,9 @@ class MoCo(LightningModule):
         decay, no_decay = get_weight_decay_parameters(
             [self.backbone, self.projection_head], decay_norm=hp.decay_norm_bias, decay_bias=hp.decay_norm_bias
         )
-        total = self.trainer.estimated_stepping_batches  # also sets up the train dataloader
+        total = self.trainer.estimated_stepping_batches
+        if self.trainer.train_dataloader is None:  # max_steps alone does not load it; the lr scaling needs it
+            self.trainer.fit_loop.setup_data()
         lr = hp.lr * self._global_batch_size() / 256
         optimizer = torch.optim.SGD(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],

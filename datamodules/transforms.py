@@ -1,0 +1,279 @@
+"""MoCo view-augmentation presets, for the per-image PIL path and for the batched tensor path.
+
+One table of settings per preset (:func:`view_settings`), turned into either
+
+- a per-image PIL transform built on lightly (``MoCoV1Transform``, ``MoCoV2Transform``, and
+  ``BYOLView1Transform`` / ``BYOLView2Transform`` for v3's asymmetric views): :func:`moco_v1`,
+  :func:`moco_v2`, :func:`moco_v3`, or :meth:`ViewSettings.pil_views`; it maps a PIL image to a list
+  of two normalised tensors and runs in DataLoader workers;
+- a :class:`~moco_lightning.datamodules.batch_views.BatchViews` drawing the same distributions for
+  a whole uint8 batch on its device: :func:`batch_views` or :meth:`ViewSettings.batch_views`.
+
+The presets (He et al. 2020 §3.3 and the official ``main_moco.py``; Chen et al. 2020 (v2); Chen, Xie,
+He 2021 (v3) and the official ``moco-v3`` code):
+
+=========  ============  ==============================  ========  ==========  ============
+preset     crop scale    colour jitter (b, c, s, h), p   gray p    blur p      solarize p
+=========  ============  ==============================  ========  ==========  ============
+moco_v1    0.2 - 1       0.4, 0.4, 0.4, 0.4, p 1.0       0.2       0, 0        0, 0
+moco_v2    0.2 - 1       0.4, 0.4, 0.4, 0.1, p 0.8       0.2       0.5, 0.5    0, 0
+moco_v3    0.08 - 1      0.4, 0.4, 0.2, 0.1, p 0.8       0.2       1.0, 0.1    0, 0.2
+=========  ============  ==============================  ========  ==========  ============
+
+All add a horizontal flip with p 0.5. Small images: at ``image_size <= 32`` (CIFAR's 32 px,
+Fashion-MNIST's 28 px) blur is switched off in every preset, as the official CIFAR-10 demo does
+(a 3-px kernel at 32 px erases most of the image); v3 keeps its solarization. ``blur=True/False``
+overrides this.
+
+Blur strength: the papers draw sigma in [0.1, 2.0] pixels at 224 px. Both paths scale that range
+with the image side (sigma x ``image_size / 224``), so a 96-px STL-10 view is blurred as much,
+relative to its content, as a 224-px ImageNet view (lightly's default would blur it 2.3x harder).
+
+Grayscale (one-channel) images: kept one-channel in both paths (``in_channels = 1``, the model gets a
+one-channel first convolution), with ``mean``/``std`` of one value. Brightness and contrast jitter
+apply; saturation, hue and random grayscale are no-ops since there is no colour to change; blur and
+solarization apply. The alternative, replicating the channel three times, triples the input cost for
+the same information; :class:`~moco_lightning.datamodules.ImageFolderDataModule` offers
+``in_channels=3`` (to use an RGB backbone) or ``in_channels=1`` for any folder.
+
+Documented differences from the papers' code: v1's official code applies grayscale before colour
+jitter, here (as in lightly) jitter comes first; the PIL path applies lightly's order of operations,
+the tensor path the fixed order documented in :mod:`~moco_lightning.datamodules.batch_views`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, List, Literal, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .batch_views import BatchViews
+
+Preset = Literal["moco_v1", "moco_v2", "moco_v3"]
+PRESETS: Tuple[str, ...] = ("moco_v1", "moco_v2", "moco_v3")
+
+#: At or below this side (pixels) blur is off by default: CIFAR (32) and Fashion-MNIST (28).
+SMALL_IMAGE_SIZE = 32
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class ViewSettings:
+    """One preset's augmentation settings; ``blur_prob`` and ``solarize_prob`` are per view."""
+
+    preset: str
+    image_size: int
+    min_scale: float
+    jitter_prob: float
+    jitter: Tuple[float, float, float, float]
+    gray_prob: float
+    blur_prob: Tuple[float, float]
+    solarize_prob: Tuple[float, float]
+    hflip_prob: float = 0.5
+    blur_sigma: Tuple[float, float] = (0.1, 2.0)  # pixels at 224 px; scaled with image_size
+
+    @property
+    def sigma_pixels(self) -> Tuple[float, float]:
+        """The blur's sigma range in pixels at ``image_size`` (what PIL's GaussianBlur takes)."""
+        f = self.image_size / 224
+        return (self.blur_sigma[0] * f, self.blur_sigma[1] * f)
+
+    # --- the tensor path ------------------------------------------------------------------
+    def batch_views(self, mean: Sequence[float], std: Sequence[float], n_views: int = 2) -> BatchViews:
+        """A :class:`BatchViews` drawing these views for whole uint8 batches on their device."""
+        return BatchViews(
+            self.image_size, min_scale=self.min_scale, hflip_prob=self.hflip_prob, jitter_prob=self.jitter_prob,
+            jitter=self.jitter, gray_prob=self.gray_prob, blur_prob=self.blur_prob[:n_views],
+            blur_sigma=self.blur_sigma, solarize_prob=self.solarize_prob[:n_views], mean=tuple(mean), std=tuple(std),
+            n_views=n_views,
+        )
+
+    def colour_views(self, mean: Sequence[float], std: Sequence[float]) -> "PerViewColour":
+        """The non-geometric part (flip, jitter, gray, blur, solarize, normalise) per view, for views
+        already cropped elsewhere (the image-folder "device" path crops in the workers)."""
+        return PerViewColour(self, mean, std)
+
+    # --- the PIL path ---------------------------------------------------------------------
+    def pil_views(self, mean: Sequence[float], std: Sequence[float]) -> Callable:
+        """A lightly transform: PIL image -> list of two normalised tensors (C, size, size)."""
+        from lightly.transforms import BYOLView1Transform, BYOLView2Transform, MoCoV1Transform, MoCoV2Transform
+        from lightly.transforms.multi_view_transform import MultiViewTransform
+
+        b, c, s, h = self.jitter
+        common = dict(
+            input_size=self.image_size, cj_prob=self.jitter_prob, cj_strength=1.0, cj_bright=b, cj_contrast=c,
+            cj_sat=s, cj_hue=h, min_scale=self.min_scale, random_gray_scale=self.gray_prob,
+            sigmas=self.sigma_pixels, hf_prob=self.hflip_prob,
+            normalize={"mean": list(mean), "std": list(std)},
+        )
+        b1, b2 = self.blur_prob
+        s1, s2 = self.solarize_prob
+        if b1 == b2 and s1 == s2 == 0:  # symmetric views: lightly's MoCo transforms
+            cls = MoCoV1Transform if self.preset == "moco_v1" else MoCoV2Transform
+            return cls(gaussian_blur=b1, **common)
+        return MultiViewTransform([
+            BYOLView1Transform(gaussian_blur=b1, solarization_prob=s1, **common),
+            BYOLView2Transform(gaussian_blur=b2, solarization_prob=s2, **common),
+        ])
+
+
+def view_settings(
+    preset: Preset,
+    image_size: int,
+    *,
+    min_scale: Optional[float] = None,
+    jitter_strength: float = 1.0,
+    blur: Optional[bool] = None,
+) -> ViewSettings:
+    """The settings of ``preset`` at ``image_size``.
+
+    Args:
+        preset: ``"moco_v1"``, ``"moco_v2"`` or ``"moco_v3"`` (table in the module docstring).
+        image_size: output side in pixels.
+        min_scale: overrides the preset's smallest crop area fraction.
+        jitter_strength: multiplies the four colour-jitter strengths (lightly's ``cj_strength``;
+            lightly suggests 0.5 for CIFAR).
+        blur: None: the preset's blur, switched off at ``image_size <= 32``; True: the preset's blur at
+            any size; False: no blur.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset={preset!r} is not one of {list(PRESETS)}")
+    if image_size < 1:
+        raise ValueError(f"image_size must be >= 1, got {image_size}")
+    if jitter_strength < 0:
+        raise ValueError(f"jitter_strength must be >= 0, got {jitter_strength}")
+    if preset == "moco_v1":
+        st = ViewSettings(preset, image_size, 0.2, 1.0, (0.4, 0.4, 0.4, 0.4), 0.2, (0.0, 0.0), (0.0, 0.0))
+    elif preset == "moco_v2":
+        st = ViewSettings(preset, image_size, 0.2, 0.8, (0.4, 0.4, 0.4, 0.1), 0.2, (0.5, 0.5), (0.0, 0.0))
+    else:
+        st = ViewSettings(preset, image_size, 0.08, 0.8, (0.4, 0.4, 0.2, 0.1), 0.2, (1.0, 0.1), (0.0, 0.2))
+    if min_scale is not None:
+        if not 0 < min_scale <= 1:
+            raise ValueError(f"min_scale must be in (0, 1], got {min_scale}")
+        st = replace(st, min_scale=float(min_scale))
+    if jitter_strength != 1.0:
+        b, c, s, h = st.jitter
+        # hue is a fraction of the colour circle; torchvision caps it at 0.5
+        st = replace(st, jitter=(b * jitter_strength, c * jitter_strength, s * jitter_strength, min(h * jitter_strength, 0.5)))
+    if blur is False or (blur is None and image_size <= SMALL_IMAGE_SIZE):
+        st = replace(st, blur_prob=(0.0, 0.0))
+    return st
+
+
+def batch_views(
+    preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], *,
+    min_scale: Optional[float] = None, jitter_strength: float = 1.0, blur: Optional[bool] = None,
+) -> BatchViews:
+    """The tensor-path views of ``preset`` (see :func:`view_settings` for the arguments)."""
+    return view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur).batch_views(mean, std)
+
+
+def pil_views(
+    preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], *,
+    min_scale: Optional[float] = None, jitter_strength: float = 1.0, blur: Optional[bool] = None,
+) -> Callable:
+    """The PIL-path views of ``preset`` (see :func:`view_settings` for the arguments)."""
+    return view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur).pil_views(mean, std)
+
+
+def moco_v1(image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs):
+    """MoCo v1's views as lightly's ``MoCoV1Transform`` (jitter always applied, hue 0.4, no blur)."""
+    return pil_views("moco_v1", image_size, mean, std, **kwargs)
+
+
+def moco_v2(image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs):
+    """MoCo v2's views as lightly's ``MoCoV2Transform`` (blur p 0.5, off at <= 32 px)."""
+    return pil_views("moco_v2", image_size, mean, std, **kwargs)
+
+
+def moco_v3(image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs):
+    """MoCo v3's asymmetric views: lightly's ``BYOLView1Transform`` / ``BYOLView2Transform`` with blur
+    1.0 / 0.1 and solarization 0 / 0.2 (blur off at <= 32 px)."""
+    return pil_views("moco_v3", image_size, mean, std, **kwargs)
+
+
+def linear_eval_views(image_size: int, mean: Sequence[float], std: Sequence[float], min_scale: float = 0.08) -> BatchViews:
+    """The linear-evaluation protocol's training augmentation on the tensor path: one view, random resized
+    crop 0.08-1 and flip, nothing else (what ``InMemoryDataModule(pretrain=False)`` means to build)."""
+    return BatchViews(
+        image_size, min_scale=min_scale, jitter_prob=0.0, gray_prob=0.0, blur_prob=(0.0,), solarize_prob=(0.0,),
+        mean=tuple(mean), std=tuple(std), n_views=1,
+    )
+
+
+# --- evaluation transforms (PIL path) ----------------------------------------------------------
+def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float], resize: Optional[int] = None) -> Callable:
+    """No augmentation: resize the shorter side to ``resize`` (default ``image_size / 0.875``, 256 for
+    224), centre-crop ``image_size``, normalise."""
+    from torchvision import transforms as T
+
+    resize = resize if resize is not None else int(round(image_size / 0.875))
+    return T.Compose([T.Resize(resize), T.CenterCrop(image_size), T.ToTensor(), T.Normalize(mean, std)])
+
+
+def linear_eval_train_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> Callable:
+    """The linear-evaluation protocol's training augmentation: random resized crop 0.08-1 and flip."""
+    from torchvision import transforms as T
+
+    return T.Compose([T.RandomResizedCrop(image_size, scale=(0.08, 1.0)), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+
+
+# --- geometric part alone, with an explicit generator (the image-folder "device" path) --------
+def random_resized_crop_box(
+    width: int, height: int, scale: Tuple[float, float], generator: torch.Generator,
+    ratio: Tuple[float, float] = (3 / 4, 4 / 3),
+) -> Tuple[int, int, int, int]:
+    """torchvision's ``RandomResizedCrop.get_params`` drawn from ``generator``: (left, top, w, h)."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        u = torch.rand(4, generator=generator).tolist()
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * u[0])
+        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[1])
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(u[2] * (width - w + 1)), int(u[3] * (height - h + 1)), w, h
+    # fallback: the central crop at the nearest allowed aspect ratio
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        w, h = int(round(height * ratio[1])), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+class PerViewColour(nn.Module):
+    """Flip + colour part of a preset, per view, on views cropped beforehand.
+
+    Input: uint8 (N, V, C, H, W), V views of each image already cropped to the output size. Output:
+    a list of V normalised float views. Each view gets its own :class:`BatchViews` with the crop
+    fixed to the whole image (``min_scale = max_scale = 1``: an identity resample) and the view's
+    own blur / solarization probability.
+    """
+
+    def __init__(self, settings: ViewSettings, mean: Sequence[float], std: Sequence[float]) -> None:
+        super().__init__()
+        self.per_view = nn.ModuleList(
+            BatchViews(
+                settings.image_size, min_scale=1.0, max_scale=1.0, hflip_prob=settings.hflip_prob,
+                jitter_prob=settings.jitter_prob, jitter=settings.jitter, gray_prob=settings.gray_prob,
+                blur_prob=(settings.blur_prob[v],), blur_sigma=settings.blur_sigma,
+                solarize_prob=(settings.solarize_prob[v],), mean=tuple(mean), std=tuple(std), n_views=1,
+            )
+            for v in range(2)
+        )
+
+    @torch.no_grad()
+    def forward(self, images: Tensor, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+        if images.ndim != 5 or images.shape[1] != len(self.per_view):
+            raise ValueError(f"expected pre-cropped views (N, {len(self.per_view)}, C, H, W), got {tuple(images.shape)}")
+        return [bv(images[:, v], generator)[0] for v, bv in enumerate(self.per_view)]

@@ -1,0 +1,188 @@
+"""BatchViews: the batched view augmentation, checked against the distributions it claims to draw."""
+
+import math
+
+import pytest
+import torch
+from torchvision.transforms import RandomResizedCrop
+
+from moco_lightning.datamodules import BatchViews
+
+OFF = dict(jitter_prob=0.0, gray_prob=0.0, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+# one view: the per-view probabilities must be given, see test_one_view_with_default_probabilities
+ONE = dict(n_views=1, blur_prob=(0.0,), solarize_prob=(0.0,))
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def coordinate_images(n, size):
+    """Channel 0 = x / (size - 1), channel 1 = y / (size - 1): a view tells which part of the image it shows."""
+    r = torch.arange(size, dtype=torch.float32) / (size - 1)
+    img = torch.stack([r.view(1, -1).expand(size, size), r.view(-1, 1).expand(size, size), torch.zeros(size, size)])
+    return img.expand(n, 3, size, size).contiguous()
+
+
+def crop_geometry(view):
+    """Per view: (width fraction, height fraction, flipped) of the crop it was cut from."""
+    x, y = view[:, 0], view[:, 1]
+    width = x.amax((1, 2)) - x.amin((1, 2))
+    height = y.amax((1, 2)) - y.amin((1, 2))
+    flipped = x[:, :, 0].mean(1) > x[:, :, -1].mean(1)
+    return width, height, flipped
+
+
+def test_crop_scale_ratio_and_flip_follow_torchvision():
+    n, size = 2000, 32
+    bv = BatchViews(size, min_scale=0.2, **ONE, **OFF)
+    g = torch.Generator().manual_seed(0)
+    (view,) = bv(coordinate_images(n, size), g)
+    width, height, flipped = crop_geometry(view)
+    area, ratio = width * height, width / height
+    assert area.min() > 0.2 - 0.02 and area.max() <= 1 + 1e-4
+    assert ratio.min() > 3 / 4 - 0.03 and ratio.max() < 4 / 3 + 0.03
+    assert abs(flipped.float().mean().item() - 0.5) < 0.03
+    # same area distribution as torchvision's RandomResizedCrop sampling on a square image
+    torch.manual_seed(0)
+    tv_area = torch.tensor([
+        (lambda t: t[2] * t[3] / size**2)(RandomResizedCrop.get_params(torch.empty(3, size, size), (0.2, 1.0), (3 / 4, 4 / 3)))
+        for _ in range(n)
+    ])
+    for q in (0.1, 0.25, 0.5, 0.75, 0.9):
+        assert abs(area.quantile(q).item() - tv_area.quantile(q).item()) < 0.03, q
+    # crops sit anywhere: the centres cover the image
+    centre_x = view[:, 0].mean((1, 2))
+    assert centre_x.min() < 0.3 and centre_x.max() > 0.7
+
+
+def test_scale_one_keeps_the_whole_image_and_normalises_exactly():
+    x = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8)
+    mean, std = (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)
+    bv = BatchViews(16, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, mean=mean, std=std)
+    v1, v2 = bv(x, torch.Generator().manual_seed(0))
+    expected = (x.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    assert torch.allclose(v1, expected, atol=1e-5) and torch.allclose(v2, expected, atol=1e-5)
+    # uint8 and float inputs are the same images
+    (vf,) = BatchViews(16, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, mean=mean, std=std, **ONE)(
+        x.float() / 255, torch.Generator().manual_seed(0))
+    assert torch.allclose(vf, v1, atol=1e-5)
+
+
+def test_normalised_statistics_of_augmented_views():
+    """Views of images with the dataset's statistics come out roughly zero-mean, unit-std."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(512, 1, 28, 28, generator=g) * 0.6 + 0.1)  # mean 0.4, std 0.17
+    mean, std = x.mean().item(), x.std().item()
+    bv = BatchViews(28, jitter=(0.4, 0.4, 0.0, 0.0), mean=(mean,), std=(std,))
+    v1, v2 = bv(x, g)
+    for v in (v1, v2):
+        assert v.shape == (512, 1, 28, 28) and v.dtype == torch.float32
+        assert abs(v.mean().item()) < 0.1 and 0.6 < v.std().item() < 1.4
+
+
+def test_same_generator_seed_same_views_and_the_generator_advances():
+    x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+    bv = BatchViews(32, blur_prob=(0.5, 0.5), solarize_prob=(0.0, 0.2), mean=(0.5,) * 3, std=(0.5,) * 3)
+    a = bv(x, torch.Generator().manual_seed(3))
+    b = bv(x, torch.Generator().manual_seed(3))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    g = torch.Generator().manual_seed(3)
+    first, second = bv(x, g), bv(x, g)
+    assert not torch.equal(first[0], second[0])
+    assert not torch.equal(a[0], a[1])  # the two views differ
+    torch.manual_seed(0)
+    c = bv(x, torch.Generator().manual_seed(3))
+    torch.manual_seed(1)
+    assert all(torch.equal(u, v) for u, v in zip(c, a))  # the global RNG plays no part
+
+
+def test_jitter_probability_and_brightness_range():
+    n = 4000
+    x = torch.full((n, 3, 4, 4), 0.5)
+    bv = BatchViews(4, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.8, jitter=(0.4, 0.0, 0.0, 0.0), gray_prob=0.0,
+                    mean=(0.0,) * 3, std=(1.0,) * 3, **ONE)
+    (v,) = bv(x, torch.Generator().manual_seed(0))
+    factor = v[:, 0, 0, 0] / 0.5
+    changed = (factor - 1).abs() > 1e-4
+    assert abs(changed.float().mean().item() - 0.8) < 0.03
+    assert factor.min() >= 0.6 - 1e-4 and factor.max() <= 1.4 + 1e-4
+    assert abs(factor[changed].mean().item() - 1.0) < 0.02  # uniform around 1
+
+
+def test_grayscale_probability_and_hue_keeps_grays():
+    n = 4000
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(n, 3, 1, 1, generator=g).expand(n, 3, 4, 4).contiguous()
+    bv = BatchViews(4, min_scale=1.0, jitter_prob=0.0, gray_prob=0.2, mean=(0.0,) * 3, std=(1.0,) * 3, **ONE)
+    (v,) = bv(x, g)
+    gray = (v[:, 0] == v[:, 1]).all((1, 2)) & (v[:, 1] == v[:, 2]).all((1, 2))
+    assert abs(gray.float().mean().item() - 0.2) < 0.03
+    # a hue rotation leaves gray pixels gray
+    grays = torch.rand(64, 1, 4, 4, generator=g).expand(64, 3, 4, 4)
+    hue = BatchViews(4, min_scale=1.0, hflip_prob=0.0, jitter_prob=1.0, jitter=(0.0, 0.0, 0.0, 0.5), gray_prob=0.0,
+                     mean=(0.0,) * 3, std=(1.0,) * 3, **ONE)
+    (h,) = hue(grays, g)
+    assert torch.allclose(h, grays, atol=1e-5)
+
+
+def test_one_channel_images():
+    x = torch.randint(0, 256, (8, 1, 28, 28), dtype=torch.uint8)
+    bv = BatchViews(28, jitter=(0.4, 0.4, 0.4, 0.1), gray_prob=0.2, blur_prob=(1.0, 0.0), solarize_prob=(0.0, 1.0),
+                    mean=(0.5,), std=(0.5,))
+    v1, v2 = bv(x, torch.Generator().manual_seed(0))
+    assert v1.shape == v2.shape == (8, 1, 28, 28) and torch.isfinite(v1).all() and torch.isfinite(v2).all()
+
+
+def test_v3_asymmetric_blur_and_solarize_probabilities_per_view():
+    """MoCo v3: view 1 always blurred, never solarized; view 2 blurred with p 0.1, solarized with p 0.2."""
+    n, size = 1000, 32
+    g = torch.Generator().manual_seed(0)
+    bv = BatchViews(size, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, blur_prob=(1.0, 0.1),
+                    blur_sigma=(10.0, 10.0), solarize_prob=(0.0, 0.2), mean=(0.0,), std=(1.0,))  # 1.4 px at 32 px
+    checker = ((torch.arange(size).view(-1, 1) + torch.arange(size).view(1, -1)) % 2).float()
+    v1, v2 = bv(checker.expand(n, 1, size, size), g)
+    # blurred: values strictly between 0 and 1 (solarizing alone maps the 0/1 board to 0)
+    blurred = [((v > 0.01) & (v < 0.99)).flatten(1).any(1) for v in (v1, v2)]
+    assert blurred[0].all()
+    assert abs(blurred[1].float().mean().item() - 0.1) < 0.03
+    # solarization inverts the pixels >= 0.5 (blur leaves a constant image alone)
+    v1, v2 = bv(torch.full((n, 1, size, size), 0.75), g)
+    solarized = [(v - 0.25).abs().amax((1, 2, 3)) < 1e-4 for v in (v1, v2)]
+    assert not solarized[0].any()
+    assert abs(solarized[1].float().mean().item() - 0.2) < 0.04
+
+
+def test_blur_strength_scales_with_image_size():
+    """Same sigma relative to the image at 112 and 224 px: a blurred step edge spreads over the same fraction."""
+    widths = []
+    for size in (112, 224):
+        edge = (torch.arange(size) >= size // 2).float().view(1, 1, 1, size).expand(1, 1, size, size)
+        bv = BatchViews(size, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, blur_prob=(1.0,),
+                        blur_sigma=(2.0, 2.0), mean=(0.0,), std=(1.0,), n_views=1, solarize_prob=(0.0,))
+        (v,) = bv(edge, torch.Generator().manual_seed(0))
+        row = v[0, 0, size // 2]
+        widths.append(((row > 0.05) & (row < 0.95)).sum().item() / size)
+    assert widths[0] > 0 and math.isclose(widths[0], widths[1], rel_tol=0.35)
+
+
+def test_one_view_with_default_probabilities():
+    (v,) = BatchViews(8, n_views=1)(torch.rand(2, 3, 8, 8))
+    assert v.shape == (2, 3, 8, 8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_scale=0.0), "min_scale"),
+    (dict(min_scale=0.5, max_scale=0.4), "min_scale"),
+    (dict(mean=(0.5, 0.5), std=(0.5,)), "mean and std"),
+    (dict(blur_prob=(0.5,)), "blur_prob"),
+    (dict(solarize_prob=(0.0, 1.5)), "solarize_prob"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BatchViews(32, **kwargs)
