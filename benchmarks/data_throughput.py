@@ -9,8 +9,8 @@ Part 1, the quickstart settings (Fashion-MNIST, 28 px, batch 256, MoCo v2 preset
      workers (what a torchvision-style pipeline does);
   b. views/s of the batched tensor path: uint8 batches from the loader, then :class:`BatchViews` on the
      device (what :class:`FashionMNISTDataModule` does);
-  c. a few training steps of the real ``MoCo(backbone="resnet18", cifar_stem=True, in_channels=1,
-     queue_size=4096)`` with each path, under a Lightning ``Trainer``: the time per step and the
+  c. a few training steps of the real quickstart model ``MoCo(backbone="resnet18", width=0.5, in_channels=1,
+     channels_last=True, queue_size=4096, hidden_dim=512)`` with each path, under a Lightning ``Trainer``: the time per step and the
      fraction of it spent waiting for the batch (from the end of one step to the start of the next:
      fetching, transfer and, for the tensor path, ``BatchViews``).
 Part 2, an image folder (synthetic JPEGs, 500x375, written to a temporary folder), per image decoded
@@ -37,6 +37,10 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+
+# the model of configs/quickstart.yaml
+QUICKSTART_MODEL = dict(backbone="resnet18", width=0.5, in_channels=1, image_size=28, channels_last=True,
+                        hidden_dim=512, queue_size=4096, momentum=0.99, temperature=0.2, lr=0.06)
 
 from moco_lightning.datamodules import FashionMNISTDataModule, ImageFolderDataModule, view_settings
 from moco_lightning.datamodules.image_folder import load_image
@@ -162,15 +166,14 @@ def part1_training(args, dm, images, targets, transform, device) -> None:
             return pil_loader(images, targets, transform, args.batch_size, self.workers)
 
     n = args.train_steps + 1
-    print(f"\n  Training steps: MoCo(backbone='resnet18', cifar_stem=True, in_channels=1, image_size=28, "
-          f"queue_size=4096), batch {args.batch_size}, Trainer(accelerator={device.type!r}, max_epochs=1, max_steps={n}, "
+    print(f"\n  Training steps: MoCo(**{QUICKSTART_MODEL}), batch {args.batch_size}, Trainer(accelerator={device.type!r}, max_epochs=1, max_steps={n}, "
           f"precision=32), torch threads {torch.get_num_threads()}; first step (warm-up) not counted")
     for name, make_dm in [
         *[(f"PIL per-image, {w} worker(s)", (lambda w=w: PILDataModule(w))) for w in args.workers],
         ("BatchViews batched", lambda: FashionMNISTDataModule(data_dir=args.data_dir, batch_size=args.batch_size)),
     ]:
         pl.seed_everything(0, verbose=False)
-        model = MoCo(backbone="resnet18", cifar_stem=True, in_channels=1, image_size=28, queue_size=4096)
+        model = MoCo(**QUICKSTART_MODEL)
         timer = StepTimer()
         trainer = pl.Trainer(
             accelerator=device.type, devices=1, max_epochs=1, max_steps=n, limit_val_batches=0, logger=False,

@@ -22,7 +22,6 @@ import torch
 from lightly.utils.debug import std_of_l2_normalized
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
-from torch.nn.utils import parameters_to_vector
 
 from ._utils import log_now
 
@@ -92,7 +91,7 @@ class RepresentationDiagnostics(Callback):
             with torch.no_grad():
                 metrics.update(self._embedding_metrics(outputs))
                 if key_params and self._snapshot is not None and step > self._snapshot_step:
-                    now = parameters_to_vector(key_params).detach().float()
+                    now = _flat(key_params)
                     change = (now - self._snapshot).norm() / self._snapshot.norm().clamp_min(1e-12)
                     metrics["diag/key_rel_change"] = float(change) / (step - self._snapshot_step)
                     self._snapshot = None
@@ -103,7 +102,7 @@ class RepresentationDiagnostics(Callback):
                     metrics["diag/queue_age"], metrics["diag/queue_filled"] = age, filled
         if key_params and (step + 1) % n == 0 and self._snapshot_step != step:
             # the next optimizer step is a logging step: keep θ_k as it is now
-            self._snapshot = parameters_to_vector(key_params).detach().float().clone()
+            self._snapshot = _flat(key_params)
             self._snapshot_step = step
         if metrics:
             self.history.append({"step": step, **metrics})
@@ -121,3 +120,8 @@ class RepresentationDiagnostics(Callback):
         if k is not None and k.shape == q.shape:
             metrics["diag/alignment"] = float(alignment(q, k.detach()))
         return metrics
+
+
+def _flat(params: list) -> torch.Tensor:
+    """One fp32 vector of all parameters; reshape (not view) copes with channels-last weights."""
+    return torch.cat([p.detach().reshape(-1).float() for p in params])

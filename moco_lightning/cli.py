@@ -37,13 +37,12 @@ def main(args: Optional[list[str]] = None) -> None:
         from .export import main as export_main
 
         return export_main(argv[1:])
-    MoCoCLI(
-        MoCo,
-        LightningDataModule,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    run_cli(MoCo, args)
+
+
+def run_cli(model_class: type, args: Optional[list[str]] = None) -> MoCoCLI:
+    """Lightning's CLI over ``model_class`` and any datamodule (``data: class_path: ...``)."""
+    return MoCoCLI(model_class, LightningDataModule, subclass_mode_data=True, save_config_kwargs={"overwrite": True}, args=args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -228,15 +228,9 @@ class LinearClassifier(LightningModule):
 
 def main(args: Optional[list[str]] = None) -> None:
     """``python -m moco_lightning.linear_eval fit --config configs/linear_eval.yaml``"""
-    from .cli import MoCoCLI  # the same CLI, ending fit with the final metrics
+    from .cli import run_cli  # the library's CLI, which ends fit with the final metrics
 
-    MoCoCLI(
-        LinearClassifier,
-        LightningDataModule,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    run_cli(LinearClassifier, args)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,15 @@ def cpu_trainer(**kwargs) -> Trainer:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def seeded():
     from lightning.pytorch import seed_everything
 

@@ -13,13 +13,7 @@ OFF = dict(jitter_prob=0.0, gray_prob=0.0, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 
 ONE = dict(n_views=1, blur_prob=(0.0,), solarize_prob=(0.0,))
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def coordinate_images(n, size):

@@ -14,13 +14,7 @@ from moco_lightning.datamodules.cifar import read_cifar_pickle
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def write_cifar10(root: Path, n=24, bytes_keys=False):

@@ -84,3 +84,13 @@ def test_diagnostics_on_moco(seeded):
     # queue holds steps 2 and 3 -> ages 2 and 1
     assert logger.series("diag/queue_age") == [(2, 1.0), (4, 1.5)]
     assert all(0.0 <= v <= 4.0 for _, v in logger.series("diag/alignment"))
+
+
+def test_key_drift_works_with_channels_last_weights():
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from moco_lightning.callbacks import RepresentationDiagnostics
+
+    model = tiny_moco(backbone="resnet18", width=0.25, hidden_dim=16, channels_last=True)
+    diag = RepresentationDiagnostics(every_n_steps=1)
+    cpu_trainer(max_steps=2, callbacks=[diag], limit_val_batches=0).fit(model, tiny_data())
+    assert model.key_backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)

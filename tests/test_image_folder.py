@@ -18,13 +18,7 @@ from moco_lightning.datamodules.image_folder import scan_image_folder
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def smooth_rgb(seed, size=(48, 40)):

@@ -13,13 +13,7 @@ from moco_lightning.datamodules.stl10 import read_stl10_images
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def write_stl10(root: Path, n_train=20, n_test=12, n_unlabeled=30):

@@ -19,13 +19,7 @@ from moco_lightning.datamodules.transforms import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Small tensor ops on a shared, busy machine are far slower with 2 OpenMP threads than with 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_preset_table_matches_the_papers():
