@@ -144,12 +144,7 @@ class InMemoryDataModule(LightningDataModule):
 
     # --- Lightning hooks --------------------------------------------------------------------
     def setup(self, stage: Optional[str] = None) -> None:
-        for split, limit in (("train", self.train_subset), ("val", self.val_subset)):
-            if split not in self._splits:
-                images, targets = self.load_split(split)
-                if limit is not None:
-                    images, targets = images[:limit], targets[:limit]
-                self._splits[split] = ImageTensorDataset(images, targets.long())
+        self._load_splits()
         if self.pretrain and len(self._splits["train"]) < self.batch_size:
             raise ValueError(
                 f"batch_size={self.batch_size} is larger than the {len(self._splits['train'])} training images "
@@ -194,6 +189,15 @@ class InMemoryDataModule(LightningDataModule):
         self._generator = None
 
     # --- helpers ----------------------------------------------------------------------------
+    def _load_splits(self) -> None:
+        """Loads "train" and "val" once each (cut to train_subset / val_subset) into ``self._splits``."""
+        for split, limit in (("train", self.train_subset), ("val", self.val_subset)):
+            if split not in self._splits:
+                images, targets = self.load_split(split)
+                if limit is not None:
+                    images, targets = images[:limit], targets[:limit]
+                self._splits[split] = ImageTensorDataset(images, targets.long())
+
     def _train_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             rank = self.trainer.global_rank if self.trainer is not None else 0  # each rank its own stream

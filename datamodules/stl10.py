@@ -166,12 +166,7 @@ class STL10DataModule(InMemoryDataModule):
 
     # --- Lightning hooks --------------------------------------------------------------------
     def setup(self, stage: Optional[str] = None) -> None:
-        for split, limit in (("train", self.train_subset), ("val", self.val_subset)):
-            if split not in self._splits:
-                images, targets = self.load_split(split)
-                if limit is not None:
-                    images, targets = images[:limit], targets[:limit]
-                self._splits[split] = ImageTensorDataset(images, targets.long())
+        self._load_splits()
         if self.pretrain and "pretrain" not in self._splits:
             labelled = self._splits["train"]
             if self.unlabeled_subset == 0:
