@@ -232,8 +232,7 @@ class MoCo(LightningModule):
         """θ_k ← m·θ_k + (1 − m)·θ_q over backbone and head, with foreach kernels."""
         theta_q = [*self.backbone.parameters(), *self.projection_head.parameters()]
         theta_k = [*self.key_backbone.parameters(), *self.key_projection_head.parameters()]
-        torch._foreach_mul_(theta_k, m)
-        torch._foreach_add_(theta_k, torch._foreach_mul(theta_q, 1.0 - m))
+        torch._foreach_lerp_(theta_k, theta_q, 1.0 - m)  # θ_k + (1 − m)(θ_q − θ_k)
 
     def momentum_at(self, step: int) -> float:
         """m for the optimizer step with 0-based index ``step`` (MoCo v3: m = 1 − (1 − m₀)(1 + cos(π·step/total))/2)."""
@@ -289,15 +288,15 @@ class MoCo(LightningModule):
         return self(batch[0] if isinstance(batch, (list, tuple)) else batch)
 
     def _log_step(self, stage: str, out: dict[str, Tensor], **kwargs: Any) -> None:
-        sims, labels = out["sims"], out["labels"]
-        pos = F.one_hot(labels, sims.shape[1]).bool()
+        sims, labels = out["sims"].detach(), out["labels"]
+        pos = sims.gather(1, labels[:, None])
         top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
         self.log(f"{stage}/loss", out["loss"], prog_bar=True, **kwargs)
         self.log_dict({
             f"{stage}/acc1": (top5[:, 0] == labels).float().mean(),
             f"{stage}/acc5": (top5 == labels[:, None]).any(1).float().mean(),
-            f"{stage}/logit_pos": sims[pos].mean(),
-            f"{stage}/logit_neg": sims[~pos].mean(),
+            f"{stage}/logit_pos": pos.mean(),
+            f"{stage}/logit_neg": (sims.sum() - pos.sum()) / max(1, sims.numel() - pos.numel()),
         }, **kwargs)
 
     # --- optimizer --------------------------------------------------------------------------

@@ -36,19 +36,19 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
         momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        # (n, c, h, w) -> (n/s, s*c, h, w): split j of the batch becomes channel block j
-        xs = x.view(s, n // s, c, h, w).transpose(0, 1).reshape(n // s, s * c, h, w)
-        mean = self.running_mean.repeat(s) if self.track_running_stats else None
-        var = self.running_var.repeat(s) if self.track_running_stats else None
-        y = F.batch_norm(
-            xs, mean, var, self.weight.repeat(s) if self.affine else None, self.bias.repeat(s) if self.affine else None,
-            True, momentum, self.eps,
-        )
-        if self.track_running_stats:
+        # Sub-batches are contiguous slices in either memory format: normalising each slice with the fused
+        # kernel needs no rearranged copy of the activations (one concatenation, and channels-last stays so).
+        stats = (self.running_mean.repeat(s, 1), self.running_var.repeat(s, 1)) if self.track_running_stats else None
+        y = torch.cat([
+            F.batch_norm(chunk, stats[0][j] if stats else None, stats[1][j] if stats else None,
+                         self.weight, self.bias, True, momentum, self.eps)
+            for j, chunk in enumerate(x.chunk(s))
+        ])
+        if stats is not None:  # the running statistics move by the average of the sub-batches' statistics
             with torch.no_grad():
-                self.running_mean.copy_(mean.view(s, c).mean(0))
-                self.running_var.copy_(var.view(s, c).mean(0))
-        return y.view(n // s, s, c, h, w).transpose(0, 1).reshape(n, c, h, w)
+                self.running_mean.copy_(stats[0].mean(0))
+                self.running_var.copy_(stats[1].mean(0))
+        return y
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_splits={self.num_splits}"

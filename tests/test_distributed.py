@@ -164,15 +164,17 @@ def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
     assert not torch.equal(r0["key_backbone"]["1.running_mean"], r1["key_backbone"]["1.running_mean"])
 
 
-def test_split_bn_equals_bn_on_each_sub_batch():
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_split_bn_equals_bn_on_each_sub_batch(memory_format):
     torch.manual_seed(0)
-    x = torch.randn(12, 3, 5, 5) * 3 + 1
+    x = (torch.randn(12, 3, 5, 5) * 3 + 1).contiguous(memory_format=memory_format)
     split, plain = SplitBatchNorm2d(3, num_splits=3, momentum=0.1), nn.BatchNorm2d(3, momentum=0.1)
     with torch.no_grad():
         split.weight.uniform_(0.5, 2)
         split.bias.uniform_(-1, 1)
     plain.load_state_dict(split.state_dict(), strict=False)
     out = split(x)
+    assert out.is_contiguous(memory_format=memory_format)  # channels-last stays channels-last for the next conv
     stats_mean, stats_var = [], []
     for chunk, y in zip(x.chunk(3), out.chunk(3)):
         ref = nn.BatchNorm2d(3, momentum=0.1)
