@@ -40,6 +40,7 @@ def worker(rank: int, port: int, queue_size: int, steps: int, out: "mp.Queue") -
         model = MoCo(backbone=backbone, in_channels=1, image_size=28, queue_size=queue_size, dim=128, hidden_dim=64, shuffle_bn="off")
         if not ignore:
             model._ddp_params_and_buffers_to_ignore = []
+        model.projection_head.requires_grad_(False)  # forward(x) is the backbone: DDP must not wait for head grads
         ddp = DistributedDataParallel(model)
         times = []
         for i in range(steps + 3):
@@ -68,7 +69,12 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args.queue_size, args.steps, out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = out.get()
+    try:
+        results = out.get(timeout=900)  # a crashed worker must not hang the script
+    except Exception:
+        for p in procs:
+            p.kill()
+        raise SystemExit("a worker failed (see its traceback above)")
     for p in procs:
         p.join()
     mib = args.queue_size * 128 * 4 / 2**20

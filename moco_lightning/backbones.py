@@ -68,6 +68,24 @@ def build_backbone(
     return model, dim if dim is not None else _probe_dim(model, in_channels, image_size)
 
 
+class ViT(torchvision.models.VisionTransformer):
+    """torchvision's VisionTransformer that returns the class token's features (no classifier), any input channels.
+
+    The defaults are ViT-Small (Touvron et al. 2021; MoCo v3, Chen, Xie, He 2021, Table 1: 12 blocks, 6 heads,
+    384-d, MLP 1536) with 4x4 patches for 28-32 px images; ``image_size=224, patch_size=16`` is the paper's.
+    Use it from a config as ``backbone: {class_path: moco_lightning.backbones.ViT, init_args: {...}}``.
+    """
+
+    def __init__(self, image_size: int = 32, patch_size: int = 4, in_channels: int = 3, num_layers: int = 12,
+                 num_heads: int = 6, hidden_dim: int = 384, mlp_dim: int = 1536) -> None:
+        if image_size % patch_size:
+            raise ValueError(f"ViT: image_size={image_size} must be a multiple of patch_size={patch_size}")
+        super().__init__(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim)
+        if in_channels != 3:
+            self.conv_proj = nn.Conv2d(in_channels, hidden_dim, patch_size, patch_size)
+        self.heads = nn.Identity()
+
+
 def _narrow_resnet(name: str, width: float) -> nn.Module:
     """torchvision's ResNet ``name`` with every stage ``width`` times as wide (same code, same state-dict keys)."""
     if not (name.startswith("resnet") and name[6:].isdigit()):

@@ -22,13 +22,14 @@ class MoCoCLI(LightningCLI):
 
     def after_fit(self) -> None:
         metrics = {k: float(v) for k, v in sorted(self.trainer.callback_metrics.items()) if v.numel() == 1}
+        log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
         if metrics and self.trainer.is_global_zero:
             width = max(map(len, metrics))
             print("\nFinal metrics:")
             for name, value in metrics.items():
-                print(f"  {name:<{width}}  {value:.4f}")
-            if self.trainer.log_dir:
-                print(f"TensorBoard: tensorboard --logdir {self.trainer.log_dir}")
+                print(f"  {name:<{width}}  {value:.4g}")
+            if log_dir:
+                print(f"TensorBoard: tensorboard --logdir {log_dir}")
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -32,6 +32,19 @@ def concat_all_gather(x: Tensor) -> Tensor:
     return torch.cat([o[:c] for o, c in zip(out, counts)])
 
 
+def gather_keeping_local_grad(x: Tensor) -> tuple[Tensor, int]:
+    """``(rows of every rank in rank order, offset of this rank's rows)``; this rank's rows are ``x`` itself, so
+    gradients flow to them (MoCo v3 and the end-to-end mechanism: the labels are ``arange(N) + offset``)."""
+    if world_size() == 1:
+        return x, 0
+    n = torch.tensor([x.shape[0]], device=x.device)
+    sizes = [torch.zeros_like(n) for _ in range(world_size())]
+    dist.all_gather(sizes, n)
+    offset = sum(int(s) for s in sizes[: rank()])
+    everything = concat_all_gather(x.detach())
+    return torch.cat([everything[:offset], x, everything[offset + x.shape[0]:]]), offset
+
+
 @torch.no_grad()
 def shuffle_across_ranks(x: Tensor, generator: torch.Generator) -> tuple[Tensor, tuple[Tensor, list[int]]]:
     """Shuffle BN (He et al. 2020, §3.3): this rank's share of the global batch in a random order.

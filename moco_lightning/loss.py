@@ -3,7 +3,9 @@
     L_q = -log exp(q·k₊/τ) / (exp(q·k₊/τ) + Σ_i exp(q·k_i/τ))
 
 computed as a cross-entropy over the logits ``[q·k₊, q·queue] / τ`` with label 0 (Algorithm 1).
-With no queue, the negatives are the other keys of the batch (labels on the diagonal).
+With no queue, the negatives are the other keys of the global batch: the keys of all DDP ranks, the positive of
+this rank's i-th query at column ``offset + i`` (MoCo v3, Chen, Xie, He 2021, Algorithm 1, and the paper's
+end-to-end mechanism).
 """
 
 from __future__ import annotations
@@ -14,23 +16,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .distributed import gather_keeping_local_grad
+
 
 def contrastive_similarities(q: Tensor, k: Tensor, queue: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Cosine similarities of the queries to their positive and negative keys, and the positive's index.
 
     ``q``, ``k``: (N, C), L2-normalised, ``k[i]`` the positive of ``q[i]``. ``queue``: (K, C) negatives,
     or None / empty for in-batch negatives. Returns ``(sims, labels)``: with a queue ``sims`` is
-    (N, 1 + K) with the positive in column 0; without, (N, N) with the positive on the diagonal.
+    (N, 1 + K) with the positive in column 0; without, (N, global batch) against the keys of every rank
+    (gradients reach this rank's keys when ``k`` has them), the positive at ``offset + i``.
     """
     if queue is None or queue.shape[0] == 0:
-        return q @ k.T, torch.arange(q.shape[0], device=q.device)
+        keys, offset = gather_keeping_local_grad(k)
+        return q @ keys.T, torch.arange(offset, offset + q.shape[0], device=q.device)
     l_pos = (q * k).sum(dim=1, keepdim=True)
     l_neg = q @ queue.T
     return torch.cat([l_pos, l_neg], dim=1), torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
 
 
-def info_nce(q: Tensor, k: Tensor, queue: Optional[Tensor], temperature: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(loss, sims, labels)``; logits and cross-entropy are computed in fp32 (mixed-precision safe)."""
+def info_nce(
+    q: Tensor, k: Tensor, queue: Optional[Tensor], temperature: float, scale: float = 1.0
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(scale · loss, sims, labels)``; logits and cross-entropy are in fp32 (mixed-precision safe).
+
+    MoCo v3 uses ``scale = 2T``, which makes the size of the gradient independent of T.
+    """
     sims, labels = contrastive_similarities(q, k, queue)
     loss = F.cross_entropy(sims.float() / temperature, labels)
-    return loss, sims, labels
+    return loss * scale, sims, labels

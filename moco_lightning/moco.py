@@ -2,6 +2,8 @@
 
 - v1: He, Fan, Wu, Xie, Girshick, CVPR 2020, https://arxiv.org/abs/1911.05722
 - v2: Chen, Fan, Girshick, He, 2020, https://arxiv.org/abs/2003.04297
+- v3: Chen, Xie, He, ICCV 2021, https://arxiv.org/abs/2104.02057 (no queue: the keys of the global batch,
+  symmetric loss × 2T, BN-MLP projector and a predictor on the query side, momentum on a cosine to 1, LARS/AdamW)
 
 Algorithm 1 of the paper, and where each line lives:
 
@@ -10,6 +12,10 @@ Algorithm 1 of the paper, and where each line lives:
     loss.backward();  SGD update of f_q             Lightning
     θ_k ← m·θ_k + (1 − m)·θ_q                       on_train_batch_end, only after a real optimizer step
     enqueue(k);  dequeue the oldest                 on_train_batch_end (keys of all ranks)
+
+The paper's other dictionaries (§3.2, Fig. 2) are ``dictionary="batch"`` (end-to-end: keys from the query encoder
+itself, with gradients; negatives = the rest of the batch) and ``dictionary="memory_bank"`` (InstDisc: one stored
+feature per image, negatives sampled from it, updated with momentum by index).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from typing import Any, Literal, Optional, Sequence, Union
 import numpy as np
 import torch
 import torch.nn.functional as F
-from lightly.models.modules.heads import MoCoProjectionHead, ProjectionHead
+from lightly.models.modules.heads import BYOLPredictionHead, MoCoProjectionHead, ProjectionHead
 from lightly.models.utils import get_weight_decay_parameters
+from lightly.utils.lars import LARS
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
@@ -33,11 +40,12 @@ from .backbones import build_backbone
 from .distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks, world_size
 from .split_bn import convert_split_bn
 from .loss import info_nce
+from .memory_bank import MemoryBank
 from .queue import KeyQueue
 
 
 class MoCo(LightningModule):
-    """MoCo v1/v2 (defaults: v2 on ImageNet). ``forward(x)`` returns backbone features.
+    """MoCo v1/v2/v3 (defaults: v2 on ImageNet; ``configs/moco_v3.yaml`` for v3). ``forward(x)`` returns backbone features.
 
     Args:
         backbone: torchvision model name or an ``nn.Module`` returning features (N, D).
@@ -45,15 +53,26 @@ class MoCo(LightningModule):
         in_channels: image channels (1 for grayscale).
         image_size: input side, used only to find the feature size of models that need it.
         width: ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).
-        head: ``"linear"`` (v1: fc to ``dim``) or ``"mlp"`` (v2: fc-ReLU-fc, hidden ``hidden_dim``).
+        head: ``"linear"`` (v1: fc to ``dim``), ``"mlp"`` (v2: fc-ReLU-fc, hidden ``hidden_dim``) or ``"bn_mlp"``
+            (v3: three fc layers, each followed by BN, the last BN without affine parameters).
         dim: embedding size C of q and k.
-        queue_size: K, number of negative keys; 0 uses the other keys of the batch as negatives.
-        momentum: m of θ_k ← m·θ_k + (1 − m)·θ_q, in [0, 1].
+        predictor_hidden_dim: > 0 adds v3's predictor (fc-BN-ReLU-fc, ``dim`` → ``dim``) on the query side only.
+        dictionary: where the keys come from: ``"queue"`` (MoCo: momentum key encoder + FIFO queue),
+            ``"batch"`` (end-to-end: the query encoder, with gradients, no key encoder; negatives = the other keys
+            of the global batch) or ``"memory_bank"`` (InstDisc: positive = the image's stored feature,
+            ``queue_size`` negatives sampled from the bank; needs batches ``(views, targets, index)``).
+        queue_size: K, number of negative keys; 0 uses the other keys of the global batch as negatives (v3).
+        memory_bank_size: rows of the memory bank: the number of training images (``dictionary="memory_bank"``).
+        momentum: m of θ_k ← m·θ_k + (1 − m)·θ_q, in [0, 1]; with ``"memory_bank"``, the m of the stored
+            features' update ``v ← normalise(m·v + (1 − m)·q)`` (InstDisc: 0.5).
         momentum_schedule: ``"constant"``, or ``"cosine"`` from ``momentum`` to 1 over all optimizer steps.
         temperature: T of the logits.
         symmetric: both views serve as query; loss = L(q1, k2) + L(q2, k1), both keys enqueued.
+        scale_loss: multiply the loss by 2T (v3: the gradient's size then does not depend on T).
         lr: learning rate per 256 images; the optimizer uses lr × global batch / 256.
-        weight_decay, sgd_momentum: SGD settings.
+        optimizer: ``"sgd"``, ``"lars"`` (v3 ResNets; lightly's LARS, no adaptation or decay of norms and
+            biases) or ``"adamw"`` (v3 ViTs).
+        weight_decay, sgd_momentum: optimizer settings (``sgd_momentum`` for SGD and LARS).
         decay_norm_bias: also decay norm and bias parameters (the official code does; default off).
         lr_schedule: ``"cosine"`` (v2), ``"step"`` (v1: ×0.1 at each of ``lr_milestones`` epochs) or ``"constant"``.
         warmup_epochs: linear warm-up length (may be fractional).
@@ -64,6 +83,7 @@ class MoCo(LightningModule):
         bn_splits: sub-batches for ``"split"``; the per-device batch must be a multiple of it.
         channels_last: keep the encoders and their inputs in channels-last memory format (faster
             convolutions on CPUs and tensor cores; measured +50 % for a narrow ResNet-18 on 2 CPU cores).
+        freeze_patch_embed: v3's "random patch projection" (§5): keep a ViT's patch embedding (``conv_proj``) fixed.
         on_nan: a non-finite loss ``"raise"``s (stops training before a checkpoint holds bad weights) or
             ``"skip"``s the batch with a warning (single process only: DDP ranks must step together).
     """
@@ -77,15 +97,20 @@ class MoCo(LightningModule):
         in_channels: int = 3,
         image_size: int = 224,
         width: float = 1.0,
-        head: Literal["linear", "mlp"] = "mlp",
+        head: Literal["linear", "mlp", "bn_mlp"] = "mlp",
         dim: int = 128,
         hidden_dim: int = 2048,
+        predictor_hidden_dim: int = 0,
+        dictionary: Literal["queue", "batch", "memory_bank"] = "queue",
         queue_size: int = 65536,
+        memory_bank_size: int = 0,
         momentum: float = 0.999,
         momentum_schedule: Literal["constant", "cosine"] = "constant",
         temperature: float = 0.2,
         symmetric: bool = False,
+        scale_loss: bool = False,
         lr: float = 0.03,
+        optimizer: Literal["sgd", "lars", "adamw"] = "sgd",
         weight_decay: float = 1e-4,
         sgd_momentum: float = 0.9,
         decay_norm_bias: bool = False,
@@ -95,6 +120,7 @@ class MoCo(LightningModule):
         shuffle_bn: Literal["auto", "ddp", "split", "off"] = "auto",
         bn_splits: int = 8,
         channels_last: bool = False,
+        freeze_patch_embed: bool = False,
         on_nan: Literal["raise", "skip"] = "raise",
     ) -> None:
         super().__init__()
@@ -102,20 +128,26 @@ class MoCo(LightningModule):
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         # f_q: the query encoder, trained by backprop
         self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
-        self.projection_head = (
-            ProjectionHead([(self.feature_dim, dim, None, None)]) if head == "linear"
-            else MoCoProjectionHead(self.feature_dim, hidden_dim, dim)
-        )
-        # f_k: the key encoder, a copy of f_q moved only by the momentum update
-        self.key_backbone = copy.deepcopy(self.backbone).requires_grad_(False)
-        self.key_projection_head = copy.deepcopy(self.projection_head).requires_grad_(False)
-        self.queue = KeyQueue(queue_size, dim)
-        # Every rank enqueues the same gathered keys, so DDP need not broadcast the queue on every forward
+        if freeze_patch_embed:
+            _freeze_patch_embedding(self.backbone)
+        self.projection_head = _projection_head(head, self.feature_dim, hidden_dim, dim)
+        self.prediction_head = BYOLPredictionHead(dim, predictor_hidden_dim, dim) if predictor_hidden_dim else None
+        # f_k: the key encoder, a copy of f_q moved only by the momentum update (the other dictionaries have none)
+        has_key_encoder = dictionary == "queue"
+        self.key_backbone = copy.deepcopy(self.backbone).requires_grad_(False) if has_key_encoder else None
+        self.key_projection_head = copy.deepcopy(self.projection_head).requires_grad_(False) if has_key_encoder else None
+        self.queue = KeyQueue(queue_size if dictionary == "queue" else 0, dim)
+        self.memory_bank = MemoryBank(memory_bank_size, dim) if dictionary == "memory_bank" else None
+        # Every rank writes the same gathered keys, so DDP need not broadcast the queue (or bank) on every forward
         # (32 MiB per step at K=65536); it is broadcast once at fit start instead.
-        self._ddp_params_and_buffers_to_ignore = [f"queue.{name}" for name, _ in self.queue.named_buffers()]
+        self._ddp_params_and_buffers_to_ignore = [
+            f"{owner}.{name}" for owner in ("queue", "memory_bank") if getattr(self, owner) is not None
+            for name, _ in getattr(self, owner).named_buffers()
+        ]
         self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
         self._rng_to_restore: Optional[dict] = None
         self._keys: Optional[Tensor] = None  # this step's keys, enqueued after the optimizer step
+        self._index: Optional[Tensor] = None  # this step's image indices (memory bank)
         self._stepped = 0  # global_step at the last momentum update
 
     # --- the two encoders -------------------------------------------------------------------
@@ -126,7 +158,10 @@ class MoCo(LightningModule):
     def query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(features, q): backbone features and the L2-normalised query embedding."""
         h = self.backbone(self._layout(x))
-        return h, F.normalize(self.projection_head(h), dim=1)
+        z = self.projection_head(h)
+        if self.prediction_head is not None:  # v3: the predictor is on the query side only
+            z = self.prediction_head(z)
+        return h, F.normalize(z, dim=1)
 
     @torch.no_grad()
     def key(self, x: Tensor) -> Tensor:
@@ -147,32 +182,48 @@ class MoCo(LightningModule):
     def _layout(self, x: Tensor) -> Tensor:
         return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last and x.ndim == 4 else x
 
-    def contrast(self, x_q: Tensor, x_k: Tensor) -> dict[str, Tensor]:
-        """The InfoNCE loss of one step, without touching the queue or the key encoder's weights."""
-        negatives = self.queue.keys if self.queue.size > 0 else None
+    def positives_and_negatives(self, x_k: Tensor, index: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """The positive keys of the batch and the negatives (None: the other keys of the global batch)."""
+        if self.hparams.dictionary == "batch":  # end-to-end: the query encoder itself, with gradients
+            return self.query(x_k)[1], None
+        if self.hparams.dictionary == "memory_bank":  # InstDisc: the image's stored feature; negatives sampled
+            if index is None:
+                raise ValueError("MoCo: dictionary='memory_bank' needs each image's index: batches (views, targets, index), "
+                                 "as moco-lightning's datamodules give them")
+            return self.memory_bank.positives(index), self.memory_bank.sample(self.hparams.queue_size)
+        return self.key(x_k), (self.queue.keys if self.queue.size > 0 else None)
+
+    def contrast(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor] = None) -> dict[str, Tensor]:
+        """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
+        hp = self.hparams
+        scale = 2 * hp.temperature if hp.scale_loss else 1.0
         h, q = self.query(x_q)
-        k = self.key(x_k)
-        loss, sims, labels = info_nce(q, k, negatives, self.hparams.temperature)
-        keys = k
-        if self.hparams.symmetric:
-            _, q2 = self.query(x_k)
-            k2 = self.key(x_q)
-            loss = loss + info_nce(q2, k2, negatives, self.hparams.temperature)[0]
-            keys = torch.cat([k, k2])
-        return {"loss": loss, "features": h.detach(), "q": q.detach(), "k": k, "keys": keys, "sims": sims.detach(), "labels": labels}
+        k, negatives = self.positives_and_negatives(x_k, index)
+        loss, sims, labels = info_nce(q, k, negatives, hp.temperature, scale)
+        keys = q.detach() if hp.dictionary == "memory_bank" else k.detach()  # what the dictionary stores
+        if hp.symmetric:
+            if hp.dictionary == "batch":  # the second view's query is its key: nothing to recompute
+                q2, k2 = k, q
+            else:
+                q2, (k2, negatives) = self.query(x_k)[1], self.positives_and_negatives(x_q, index)
+            loss = loss + info_nce(q2, k2, negatives, hp.temperature, scale)[0]
+            keys = torch.cat([keys, k2.detach()])
+        return {"loss": loss, "features": h.detach(), "q": q.detach(), "k": k.detach(), "keys": keys,
+                "sims": sims.detach(), "labels": labels}
 
     # --- training ---------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if stage != "fit":
             return
-        mode, has_bn = self.hparams.shuffle_bn, any(isinstance(m, nn.BatchNorm2d) for m in self.key_backbone.modules())
+        mode, has_bn = self.hparams.shuffle_bn, any(isinstance(m, nn.BatchNorm2d) for m in self.backbone.modules())
         if mode == "auto":
             mode = "off" if not has_bn else "ddp" if self.trainer.world_size > 1 else "split"
         if mode == "ddp" and self.trainer.world_size == 1:
             raise ValueError("MoCo: shuffle_bn='ddp' needs a distributed run (world size > 1); use 'split' or 'auto' on one device")
         if mode == "split":
             convert_split_bn(self.backbone, self.hparams.bn_splits)
-            convert_split_bn(self.key_backbone, self.hparams.bn_splits)
+            if self.key_backbone is not None:
+                convert_split_bn(self.key_backbone, self.hparams.bn_splits)
         if mode != "off" and getattr(self.trainer.strategy, "_layer_sync", None) is not None:
             warnings.warn("MoCo: sync_batchnorm=True computes BN statistics over the global batch, which defeats "
                           f"shuffle_bn={mode!r} for MoCo v1/v2; turn one of them off", stacklevel=2)
@@ -182,15 +233,16 @@ class MoCo(LightningModule):
 
     def on_fit_start(self) -> None:
         if world_size() > 1:  # identical initial queue on every rank, even without a common seed
-            for buffer in self.queue.buffers():
+            for buffer in [*self.queue.buffers(), *(self.memory_bank.buffers() if self.memory_bank is not None else [])]:
                 torch.distributed.broadcast(buffer, src=0)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         x_q, x_k = batch[0]
-        out = self.contrast(x_q, x_k)
+        index = batch[2] if len(batch) > 2 else None
+        out = self.contrast(x_q, x_k, index)
         if not torch.isfinite(out["loss"]):
             return self._non_finite(out["loss"], batch_idx)
-        self._keys = out.pop("keys")
+        self._keys, self._index = out.pop("keys"), index
         self._log_step("train", out, on_step=True, on_epoch=False)
         self.log("train/momentum", self.momentum_at(self.global_step), on_step=True, on_epoch=False)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
@@ -222,10 +274,15 @@ class MoCo(LightningModule):
         """Momentum update (only if an optimizer step happened), then enqueue the step's keys of all ranks."""
         if self.global_step != self._stepped:  # an optimizer step happened (not an accumulation micro-batch)
             self._stepped = self.global_step
-            self.momentum_update(self.momentum_at(self.global_step - 1))
+            if self.key_backbone is not None:
+                self.momentum_update(self.momentum_at(self.global_step - 1))
         if self._keys is not None:
-            self.queue.enqueue(concat_all_gather(self._keys), step=self.global_step)
-            self._keys = None
+            if self.memory_bank is not None:
+                index = self._index.repeat(len(self._keys) // len(self._index))  # symmetric: both views' queries
+                self.memory_bank.update(concat_all_gather(index), concat_all_gather(self._keys), self.hparams.momentum)
+            else:
+                self.queue.enqueue(concat_all_gather(self._keys), step=self.global_step)
+            self._keys = self._index = None
 
     @torch.no_grad()
     def momentum_update(self, m: float) -> None:
@@ -250,7 +307,8 @@ class MoCo(LightningModule):
         # finish this step first, so that a checkpoint at step N holds N momentum updates and N steps' keys.
         if self._keys is not None or (self._trainer is not None and self.trainer.training and self.global_step != self._stepped):
             self._finish_step()
-            checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k.startswith(("key_", "queue."))})
+            checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items()
+                                             if k.startswith(("key_", "queue.", "memory_bank."))})
         bad = [name for name, p in self.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             raise FloatingPointError(f"MoCo: refusing to write a checkpoint with non-finite weights in {bad[:5]}")
@@ -267,7 +325,8 @@ class MoCo(LightningModule):
                 f"this moco-lightning {__version__} reads (format {self.FORMAT_VERSION}): upgrade moco-lightning"
             )
         saved = checkpoint.get("hyper_parameters", {})
-        structural = ("backbone", "cifar_stem", "in_channels", "width", "head", "dim", "hidden_dim", "queue_size")
+        structural = ("backbone", "cifar_stem", "in_channels", "width", "head", "dim", "hidden_dim", "queue_size",
+                      "predictor_hidden_dim", "dictionary", "memory_bank_size")
         differ = [f"{k}: checkpoint {saved[k]!r}, model {self.hparams[k]!r}" for k in structural
                   if k in saved and k in self.hparams and saved[k] != self.hparams[k]]
         if differ:
@@ -279,8 +338,8 @@ class MoCo(LightningModule):
 
     # --- validation / prediction: never enqueue, never move the key encoder -----------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if not isinstance(batch[0], (list, tuple)):
-            return  # an evaluation batch (image, target): nothing for MoCo to do
+        if not isinstance(batch[0], (list, tuple)) or self.hparams.dictionary == "memory_bank":
+            return  # an evaluation batch (image, target), or no bank rows for validation images: nothing to do
         out = self.contrast(*batch[0])
         self._log_step("val", out, on_step=False, on_epoch=True, sync_dist=True)
 
@@ -302,17 +361,20 @@ class MoCo(LightningModule):
     # --- optimizer --------------------------------------------------------------------------
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        decay, no_decay = get_weight_decay_parameters(
-            [self.backbone, self.projection_head], decay_norm=hp.decay_norm_bias, decay_bias=hp.decay_norm_bias
-        )
+        trained = [m for m in (self.backbone, self.projection_head, self.prediction_head) if m is not None]
+        decay, no_decay = get_weight_decay_parameters(trained, decay_norm=hp.decay_norm_bias, decay_bias=hp.decay_norm_bias)
         total = self.trainer.estimated_stepping_batches
         if self.trainer.train_dataloader is None:  # max_steps alone does not load it; the lr scaling needs it
             self.trainer.fit_loop.setup_data()
         lr = hp.lr * self._global_batch_size() / 256
-        optimizer = torch.optim.SGD(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, momentum=hp.sgd_momentum,
-        )
+        groups = [{"params": [p for p in decay if p.requires_grad], "weight_decay": hp.weight_decay},
+                  {"params": [p for p in no_decay if p.requires_grad], "weight_decay": 0.0}]
+        if hp.optimizer == "lars":  # lightly's LARS skips the adaptation for the weight-decay-free group, as v3
+            optimizer = LARS(groups, lr=lr, momentum=hp.sgd_momentum)
+        elif hp.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=lr)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=lr, momentum=hp.sgd_momentum)
         steps_per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
         warmup = round(hp.warmup_epochs * steps_per_epoch)
         milestones = [m * steps_per_epoch for m in hp.lr_milestones]
@@ -340,6 +402,24 @@ class MoCo(LightningModule):
                 "batch_size attribute; use a torch DataLoader with batch_size set"
             )
         return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+
+def _projection_head(head: str, feature_dim: int, hidden_dim: int, dim: int) -> nn.Module:
+    if head == "linear":  # v1
+        return ProjectionHead([(feature_dim, dim, None, None)])
+    if head == "mlp":  # v2
+        return MoCoProjectionHead(feature_dim, hidden_dim, dim)
+    projector = MoCoProjectionHead(feature_dim, hidden_dim, dim, num_layers=3, batch_norm=True)  # v3
+    projector.layers[-1] = nn.BatchNorm1d(dim, affine=False)  # as the official v3 code: the last BN has no affine
+    return projector
+
+
+def _freeze_patch_embedding(backbone: nn.Module) -> None:
+    proj = getattr(backbone, "conv_proj", None)
+    if not isinstance(proj, nn.Conv2d):
+        raise ValueError("MoCo: freeze_patch_embed=True needs a ViT backbone with a patch embedding 'conv_proj' "
+                         "(torchvision's vit_* or moco_lightning.backbones.ViT)")
+    proj.requires_grad_(False)
 
 
 def _rng_states() -> dict:
@@ -377,7 +457,11 @@ def _check_arguments(args: dict) -> None:
         ("in_channels", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
         ("image_size", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
         ("width", lambda v: v > 0, "a number > 0"),
-        ("head", lambda v: v in ("linear", "mlp"), "'linear' (v1) or 'mlp' (v2)"),
+        ("head", lambda v: v in ("linear", "mlp", "bn_mlp"), "'linear' (v1), 'mlp' (v2) or 'bn_mlp' (v3)"),
+        ("predictor_hidden_dim", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0: no predictor)"),
+        ("dictionary", lambda v: v in ("queue", "batch", "memory_bank"), "'queue', 'batch' or 'memory_bank'"),
+        ("memory_bank_size", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+        ("optimizer", lambda v: v in ("sgd", "lars", "adamw"), "'sgd', 'lars' or 'adamw'"),
         ("momentum_schedule", lambda v: v in ("constant", "cosine"), "'constant' or 'cosine'"),
         ("lr_schedule", lambda v: v in ("cosine", "step", "constant"), "'cosine', 'step' or 'constant'"),
         ("lr", lambda v: v > 0, "a number > 0"),
@@ -398,3 +482,6 @@ def _check_arguments(args: dict) -> None:
             valid = False
         if not valid:
             raise ValueError(f"MoCo: {name}={value!r} is not allowed; {name} must be {allowed}")
+    if args["dictionary"] == "memory_bank" and (args["memory_bank_size"] < 1 or args["queue_size"] < 1):
+        raise ValueError("MoCo: dictionary='memory_bank' needs memory_bank_size = the number of training images and "
+                         "queue_size >= 1 negatives sampled from the bank per step")

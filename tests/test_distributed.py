@@ -225,3 +225,31 @@ def test_ddp_shuffle_on_one_process_is_a_clear_error(seeded):
 
     with pytest.raises(ValueError, match="shuffle_bn='ddp' needs a distributed run"):
         cpu_trainer(max_steps=1).fit(tiny_moco(shuffle_bn="ddp"), tiny_data())
+
+
+def _v3_loss_worker(rank: int, port: int, out_dir: str) -> None:
+    from moco_lightning.loss import info_nce
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        q = torch.nn.functional.normalize(torch.randn(3, 4, generator=g), dim=1)
+        k = torch.nn.functional.normalize(torch.randn(3, 4, generator=g), dim=1).requires_grad_()
+        loss, _, labels = info_nce(q, k, None, 0.2, scale=0.4)
+        loss.backward()
+        torch.save({"q": q, "k": k.detach(), "loss": loss.detach(), "labels": labels, "k_grad": k.grad},
+                   os.path.join(out_dir, f"v3_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_v3_loss_uses_the_global_batch_with_labels_offset_by_rank(tmp_path):
+    mp.spawn(_v3_loss_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = [torch.load(tmp_path / f"v3_{i}.pt") for i in (0, 1)]
+    keys = torch.cat([r[0]["k"], r[1]["k"]])
+    for rank in (0, 1):
+        labels = torch.arange(3) + 3 * rank
+        assert torch.equal(r[rank]["labels"], labels)
+        expected = 2 * 0.2 * torch.nn.functional.cross_entropy(r[rank]["q"] @ keys.T / 0.2, labels)
+        torch.testing.assert_close(r[rank]["loss"], expected)
+        assert r[rank]["k_grad"].abs().sum() > 0  # the local keys keep their gradient (end-to-end mechanism)

@@ -271,3 +271,66 @@ def test_step_checkpoints_hold_the_steps_momentum_update_and_keys(seeded, tmp_pa
         assert saved["queue.ptr"].item() == step * 16 % 32 and saved["queue.enqueued_at"].max().item() == step
         for name, value in states[step].items():
             assert torch.equal(saved[name], value), (step, name)
+
+
+# --- MoCo v3 and the paper's other dictionaries ---------------------------------------------
+def test_v3_loss_equals_hand_computation_and_predictor_is_query_only(seeded):
+    T = 0.5
+    model = tiny_moco(head="bn_mlp", predictor_hidden_dim=16, queue_size=0, symmetric=True, scale_loss=True,
+                      temperature=T, momentum=0.99, momentum_schedule="cosine", optimizer="lars")
+    assert isinstance(model.projection_head.layers[-1], torch.nn.BatchNorm1d) and not model.projection_head.layers[-1].affine
+    assert not any(n.startswith("key_prediction") for n, _ in model.named_parameters())
+    x1, x2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
+    model.train()
+    loss = model.contrast(x1, x2)["loss"]
+
+    def q_of(x):
+        return F.normalize(model.prediction_head(model.projection_head(model.backbone(x))), dim=1)
+
+    def k_of(x):
+        with torch.no_grad():
+            return F.normalize(model.key_projection_head(model.key_backbone(x)), dim=1)
+
+    labels = torch.arange(6)
+    expected = 2 * T * (F.cross_entropy(q_of(x1) @ k_of(x2).T / T, labels) + F.cross_entropy(q_of(x2) @ k_of(x1).T / T, labels))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(seeded):
+    model = tiny_moco(dictionary="batch", queue_size=0)
+    assert model.key_backbone is None and model.key_projection_head is None
+    assert not any(k.startswith("key_") for k in model.state_dict())
+    x1, x2 = torch.randn(8, 1, 28, 28, requires_grad=True), torch.randn(8, 1, 28, 28, requires_grad=True)
+    model.contrast(x1, x2)["loss"].backward()
+    assert x1.grad.abs().sum() > 0 and x2.grad.abs().sum() > 0
+
+
+def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
+    model = tiny_moco(dictionary="memory_bank", memory_bank_size=20, queue_size=12, momentum=0.5)
+    assert model.key_backbone is None
+    before = model.memory_bank.features.clone()
+    index = torch.tensor([3, 17, 9, 0])
+    out = model.contrast(torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28), index)
+    assert out["sims"].shape == (4, 13)  # the stored positive + 12 sampled negatives
+    torch.testing.assert_close(out["sims"][:, 0], (out["q"] * before[index]).sum(1))
+    model._keys, model._index = out["keys"], index
+    model._finish_step()
+    expected = before.clone()
+    expected[index] = F.normalize(0.5 * before[index] + 0.5 * out["q"], dim=1)
+    torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="memory_bank_size = the number of training images"):
+        tiny_moco(dictionary="memory_bank")
+
+
+@pytest.mark.parametrize("dictionary", ["queue", "batch", "memory_bank"])
+def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torch_thread):
+    extra = {"memory_bank_size": 64, "momentum": 0.5} if dictionary == "memory_bank" else {}
+    model = tiny_moco(dictionary=dictionary, **extra)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cpu_trainer(max_steps=3, limit_val_batches=0).fit(model, tiny_data())
+    assert model.global_step == 3
+    after = model.state_dict()
+    assert not torch.equal(before["backbone.0.weight"], after["backbone.0.weight"])
+    if dictionary == "memory_bank":
+        changed = (before["memory_bank.features"] != after["memory_bank.features"]).any(1)
+        assert int(changed.sum()) == 3 * 16  # 3 batches of 16 distinct images of the 64

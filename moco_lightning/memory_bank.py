@@ -1,0 +1,46 @@
+"""The memory bank of Instance Discrimination (Wu, Xiong, Yu, Lin, CVPR 2018, https://arxiv.org/abs/1805.01978).
+
+One stored, L2-normalised feature per training image. The MoCo paper compares its queue with this mechanism
+(He et al. 2020, §3.2 and Fig. 2c): "a memory bank ... stores the representations of all samples in the
+dataset. The dictionary for each mini-batch is randomly sampled from the memory bank with no back-propagation";
+the stored feature of an image is updated when the image is seen again, with a momentum ("proximal") update,
+``v_i ← normalise(m·v_i + (1 − m)·q_i)`` (InstDisc: m = 0.5). Lightly's ``MemoryBankModule`` is a FIFO of recent
+batches, not this; and it is not saved in checkpoints. This bank is a persistent buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class MemoryBank(nn.Module):
+    """``size`` L2-normalised features of size ``dim``, one per training image, indexed by the image's index."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        super().__init__()
+        self.size = size
+        self.register_buffer("features", F.normalize(torch.randn(size, dim), dim=1))
+
+    def positives(self, index: Tensor) -> Tensor:
+        """The stored features of the batch's images (their positive keys), without gradient."""
+        if index.numel() and int(index.max()) >= self.size:
+            raise IndexError(
+                f"MemoryBank: image index {int(index.max())} is outside the bank of {self.size} rows; set "
+                "memory_bank_size to the number of training images"
+            )
+        return self.features[index].detach()
+
+    def sample(self, k: int) -> Tensor:
+        """``k`` stored features drawn uniformly with replacement (the global RNG): the negatives of one step."""
+        return self.features[torch.randint(self.size, (k,), device=self.features.device)].detach()
+
+    @torch.no_grad()
+    def update(self, index: Tensor, q: Tensor, momentum: float) -> None:
+        """``v_i ← normalise(m·v_i + (1 − m)·q_i)`` for the rows of ``index``; a repeated index keeps its last write."""
+        mixed = self.features[index].mul(momentum).add_(q.to(self.features.dtype), alpha=1.0 - momentum)
+        self.features[index] = F.normalize(mixed, dim=1)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, dim={self.features.shape[1]}"
