@@ -92,8 +92,8 @@ def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(s
     trainer = cpu_trainer(max_epochs=1, callbacks=[checkpoint], enable_checkpointing=True, limit_val_batches=0)
     original = model.contrast
 
-    def poisoned(x_q, x_k):
-        out = original(x_q, x_k)
+    def poisoned(*views_and_index):
+        out = original(*views_and_index)
         if trainer.global_step == 2:
             out["loss"] = out["loss"] * float("nan")
         return out
@@ -112,8 +112,8 @@ def test_nan_loss_can_skip_the_batch(seeded):
     original = model.contrast
     calls = []
 
-    def poisoned(x_q, x_k):
-        out = original(x_q, x_k)
+    def poisoned(*views_and_index):
+        out = original(*views_and_index)
         calls.append(1)
         if len(calls) == 2:
             out["loss"] = out["loss"] * float("inf")
