@@ -18,13 +18,14 @@ def rank() -> int:
 @torch.no_grad()
 def concat_all_gather(x: Tensor) -> Tensor:
     """Rows of ``x`` from every rank, concatenated in rank order; ranks may hold different row counts."""
-    ws = world_size()
-    if ws == 1:
+    if world_size() == 1:
         return x
-    n = torch.tensor([x.shape[0]], device=x.device)
-    sizes = [torch.zeros_like(n) for _ in range(ws)]
-    dist.all_gather(sizes, n)
-    counts = [int(s) for s in sizes]
+    return _gather_rows(x, _counts(x.shape[0]))
+
+
+@torch.no_grad()
+def _gather_rows(x: Tensor, counts: list[int]) -> Tensor:
+    ws = len(counts)
     padded = x.new_zeros((max(counts), *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = [torch.empty_like(padded) for _ in range(ws)]
@@ -37,11 +38,9 @@ def gather_keeping_local_grad(x: Tensor) -> tuple[Tensor, int]:
     gradients flow to them (MoCo v3 and the end-to-end mechanism: the labels are ``arange(N) + offset``)."""
     if world_size() == 1:
         return x, 0
-    n = torch.tensor([x.shape[0]], device=x.device)
-    sizes = [torch.zeros_like(n) for _ in range(world_size())]
-    dist.all_gather(sizes, n)
-    offset = sum(int(s) for s in sizes[: rank()])
-    everything = concat_all_gather(x.detach())
+    counts = _counts(x.shape[0])
+    offset = sum(counts[: rank()])
+    everything = _gather_rows(x.detach(), counts)
     return torch.cat([everything[:offset], x, everything[offset + x.shape[0]:]]), offset
 
 
@@ -53,9 +52,9 @@ def shuffle_across_ranks(x: Tensor, generator: torch.Generator) -> tuple[Tensor,
     every rank, so no broadcast is needed). Ranks may hold different row counts; each gets back as many
     rows as it gave. Returns the rows to encode and the state :func:`unshuffle_across_ranks` needs.
     """
-    x_all = concat_all_gather(x)
-    perm = torch.randperm(x_all.shape[0], generator=generator).to(x.device)
     counts = _counts(x.shape[0])
+    x_all = _gather_rows(x, counts) if len(counts) > 1 else x
+    perm = torch.randperm(x_all.shape[0], generator=generator).to(x.device)
     offset = sum(counts[: rank()])
     mine = perm[offset: offset + x.shape[0]]
     return x_all[mine], (perm, counts)

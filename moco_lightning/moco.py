@@ -60,7 +60,8 @@ class MoCo(LightningModule):
         dictionary: where the keys come from: ``"queue"`` (MoCo: momentum key encoder + FIFO queue),
             ``"batch"`` (end-to-end: the query encoder, with gradients, no key encoder; negatives = the other keys
             of the global batch) or ``"memory_bank"`` (InstDisc: positive = the image's stored feature,
-            ``queue_size`` negatives sampled from the bank; needs batches ``(views, targets, index)``).
+            ``queue_size`` negatives sampled from the bank, the image's row then moved towards its query — the mean
+            of both views' queries when ``symmetric``; needs batches ``(views, targets, index)``).
         queue_size: K, number of negative keys; 0 uses the other keys of the global batch as negatives (v3).
         memory_bank_size: rows of the memory bank: the number of training images (``dictionary="memory_bank"``).
         momentum: m of θ_k ← m·θ_k + (1 − m)·θ_q, in [0, 1]; with ``"memory_bank"``, the m of the stored
@@ -200,7 +201,7 @@ class MoCo(LightningModule):
         h, q = self.query(x_q)
         k, negatives = self.positives_and_negatives(x_k, index)
         loss, sims, labels = info_nce(q, k, negatives, hp.temperature, scale)
-        keys = q.detach() if hp.dictionary == "memory_bank" else k.detach()  # what the dictionary stores
+        keys = k.detach()  # what the queue stores; the memory bank stores the image's query instead
         if hp.symmetric:
             if hp.dictionary == "batch":  # the second view's query is its key: nothing to recompute
                 q2, k2 = k, q
@@ -208,6 +209,8 @@ class MoCo(LightningModule):
                 q2, (k2, negatives) = self.query(x_k)[1], self.positives_and_negatives(x_q, index)
             loss = loss + info_nce(q2, k2, negatives, hp.temperature, scale)[0]
             keys = torch.cat([keys, k2.detach()])
+        if hp.dictionary == "memory_bank":  # one row per image: with both views as queries, their mean
+            keys = ((q + q2) / 2 if hp.symmetric else q).detach()
         return {"loss": loss, "features": h.detach(), "q": q.detach(), "k": k.detach(), "keys": keys,
                 "sims": sims.detach(), "labels": labels}
 
@@ -233,8 +236,8 @@ class MoCo(LightningModule):
 
     def on_fit_start(self) -> None:
         if world_size() > 1:  # identical initial queue on every rank, even without a common seed
-            for buffer in [*self.queue.buffers(), *(self.memory_bank.buffers() if self.memory_bank is not None else [])]:
-                torch.distributed.broadcast(buffer, src=0)
+            for name in self._ddp_params_and_buffers_to_ignore:  # the dictionary's buffers, kept out of DDP's sync
+                torch.distributed.broadcast(self.get_buffer(name), src=0)
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
         x_q, x_k = batch[0]
@@ -278,8 +281,7 @@ class MoCo(LightningModule):
                 self.momentum_update(self.momentum_at(self.global_step - 1))
         if self._keys is not None:
             if self.memory_bank is not None:
-                index = self._index.repeat(len(self._keys) // len(self._index))  # symmetric: both views' queries
-                self.memory_bank.update(concat_all_gather(index), concat_all_gather(self._keys), self.hparams.momentum)
+                self.memory_bank.update(concat_all_gather(self._index), concat_all_gather(self._keys), self.hparams.momentum)
             else:
                 self.queue.enqueue(concat_all_gather(self._keys), step=self.global_step)
             self._keys = self._index = None
@@ -347,7 +349,7 @@ class MoCo(LightningModule):
         return self(batch[0] if isinstance(batch, (list, tuple)) else batch)
 
     def _log_step(self, stage: str, out: dict[str, Tensor], **kwargs: Any) -> None:
-        sims, labels = out["sims"].detach(), out["labels"]
+        sims, labels = out["sims"], out["labels"]
         pos = sims.gather(1, labels[:, None])
         top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
         self.log(f"{stage}/loss", out["loss"], prog_bar=True, **kwargs)

@@ -334,3 +334,17 @@ def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torc
     if dictionary == "memory_bank":
         changed = (before["memory_bank.features"] != after["memory_bank.features"]).any(1)
         assert int(changed.sum()) == 3 * 16  # 3 batches of 16 distinct images of the 64
+
+
+def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded):
+    model = tiny_moco(dictionary="memory_bank", memory_bank_size=10, queue_size=6, momentum=0.5, symmetric=True)
+    before = model.memory_bank.features.clone()
+    index = torch.tensor([1, 8, 4])
+    x1, x2 = torch.randn(3, 1, 28, 28), torch.randn(3, 1, 28, 28)
+    out = model.contrast(x1, x2, index)
+    q1, q2 = out["q"], model.query(x2)[1].detach()
+    model._keys, model._index = out["keys"], index
+    model._finish_step()
+    expected = before.clone()
+    expected[index] = F.normalize(0.5 * before[index] + 0.5 * (q1 + q2) / 2, dim=1)
+    torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-6)
