@@ -24,8 +24,11 @@ class MemoryBank(nn.Module):
         self.register_buffer("features", F.normalize(torch.randn(size, dim), dim=1))
 
     def positives(self, index: Tensor) -> Tensor:
-        """The stored features of the batch's images (their positive keys), without gradient."""
-        if index.numel() and int(index.max()) >= self.size:
+        """The stored features of the batch's images (their positive keys), without gradient.
+
+        Indices on the CPU are range-checked here; on an accelerator that check would stall every step, so
+        ``MoCo`` checks ``memory_bank_size`` against the training set once, at fit start."""
+        if index.device.type == "cpu" and index.numel() and int(index.max()) >= self.size:
             raise IndexError(
                 f"MemoryBank: image index {int(index.max())} is outside the bank of {self.size} rows; set "
                 "memory_bank_size to the number of training images"

@@ -253,6 +253,15 @@ class MoCo(LightningModule):
 
     def on_train_start(self) -> None:
         self._stepped = self.global_step
+        if self.memory_bank is not None:  # checked once here: a per-step index check would stall an accelerator
+            dataset = getattr(getattr(self.trainer, "train_dataloader", None), "dataset", None)
+            try:
+                n = len(dataset)
+            except TypeError:  # no dataloader.dataset, or an iterable dataset: MemoryBank checks indices on the CPU
+                n = 0
+            if n > self.memory_bank.size:
+                raise ValueError(f"MoCo: memory_bank_size={self.memory_bank.size}, but the training set has {n} images; "
+                                 f"set memory_bank_size to {n} (one bank row per training image)")
         if self._rng_to_restore is not None:  # resuming: the global RNGs continue where the checkpoint left them
             _set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None

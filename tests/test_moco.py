@@ -336,6 +336,13 @@ def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torc
         assert int(changed.sum()) == 3 * 16  # 3 batches of 16 distinct images of the 64
 
 
+def test_memory_bank_smaller_than_the_training_set_fails_at_fit_start(seeded, one_torch_thread):
+    model = tiny_moco(dictionary="memory_bank", memory_bank_size=40, queue_size=8, momentum=0.5)
+    with pytest.raises(ValueError, match="memory_bank_size=40, but the training set has 64 images; set memory_bank_size to 64"):
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
+    assert model.global_step == 0
+
+
 def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded):
     model = tiny_moco(dictionary="memory_bank", memory_bank_size=10, queue_size=6, momentum=0.5, symmetric=True)
     before = model.memory_bank.features.clone()
