@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_model_args, describe_model, fashion_mnist, footer, header, moco_kwargs, print_table, quiet  # noqa: E402
+from _common import (  # noqa: E402
+    add_model_args, describe_model, fashion_mnist, footer, header, moco_kwargs, print_table, quiet, trainer_kwargs,
+)
 from quality import Evaluator  # noqa: E402
 
 DEFAULT = "default: m 0.99, K 4096, split BN"
@@ -73,9 +75,7 @@ def train_one(name: str, overrides: dict, args) -> dict:
     model = MoCo(**moco_kwargs(args, **overrides))
     dm = FashionMNISTDataModule(data_dir=args.data_dir, batch_size=args.batch_size, seed=args.seed)
     spe = 60000 // args.batch_size
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, max_epochs=math.ceil(args.steps / spe),
-                         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(**trainer_kwargs(args.steps, "none", "", [], max_epochs=math.ceil(args.steps / spe)))
     t = time.perf_counter()
     trainer.fit(model, datamodule=dm)
     train_s = time.perf_counter() - t

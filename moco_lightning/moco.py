@@ -291,7 +291,7 @@ class MoCo(LightningModule):
         if self._keys is not None:
             if self.memory_bank is not None:
                 self.memory_bank.update(concat_all_gather(self._index), concat_all_gather(self._keys), self.hparams.momentum)
-            else:
+            elif self.queue.size > 0:  # no queue (v3, end-to-end): no keys to gather across ranks
                 self.queue.enqueue(concat_all_gather(self._keys), step=self.global_step)
             self._keys = self._index = None
 
