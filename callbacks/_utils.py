@@ -22,7 +22,7 @@ LoaderLike = Union[Iterable, Callable[[], Iterable]]
 
 __all__ = [
     "LoaderLike", "concat_all_gather", "denormalize", "embed", "eval_mode", "first_view", "forward_context",
-    "log_now", "rank", "resolve_loader", "resolve_num_classes", "shard", "sum_across_ranks", "tensorboard_writer",
+    "log_now", "max_across_ranks", "rank", "resolve_loader", "resolve_num_classes", "shard", "sum_across_ranks", "tensorboard_writer",
     "world_size",
 ]
 
@@ -155,6 +155,15 @@ def sum_across_ranks(x: Tensor) -> Tensor:
         return x
     x = x.clone()
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def max_across_ranks(x: Tensor) -> Tensor:
+    """Element-wise maximum of ``x`` over all ranks (a copy); ``x`` itself without a process group."""
+    if world_size() == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
 
 

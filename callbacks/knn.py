@@ -19,15 +19,18 @@ no key encoder, no state of the module is touched.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
-from ._utils import LoaderLike, embed, forward_context, log_now, resolve_loader, resolve_num_classes, sum_across_ranks
+from ._utils import (
+    LoaderLike, concat_all_gather, embed, forward_context, log_now, max_across_ranks, resolve_loader,
+    resolve_num_classes, sum_across_ranks, world_size,
+)
 
-__all__ = ["KNNMonitor", "knn_accuracy", "knn_counts", "knn_scores"]
+__all__ = ["KNNMonitor", "knn_accuracy", "knn_counts", "knn_scores", "sharded_knn_counts"]
 
 
 def knn_scores(features: Tensor, bank: Tensor, bank_targets: Tensor, num_classes: int, k: int, temperature: float) -> Tensor:
@@ -37,8 +40,16 @@ def knn_scores(features: Tensor, bank: Tensor, bank_targets: Tensor, num_classes
     ``bank_targets`` (M,) int64 in ``[0, num_classes)``; ``k <= M``.
     """
     sim, idx = (features @ bank.t()).topk(k, dim=1)
-    scores = torch.zeros(features.shape[0], num_classes, device=features.device, dtype=sim.dtype)
-    return scores.scatter_add_(1, bank_targets[idx], (sim / temperature).exp())
+    return _vote(sim, bank_targets[idx], num_classes, temperature)
+
+
+def _vote(sim: Tensor, labels: Tensor, num_classes: int, temperature: float) -> Tensor:
+    scores = torch.zeros(sim.shape[0], num_classes, device=sim.device, dtype=torch.float32)
+    return scores.scatter_add_(1, labels, (sim.float() / temperature).exp())
+
+
+def _correct(scores: Tensor, y: Tensor, num_classes: int, topk: Sequence[int]) -> Tensor:
+    return torch.stack([(scores.topk(min(j, num_classes), dim=1).indices == y[:, None]).any(1).sum() for j in topk])
 
 
 @torch.no_grad()
@@ -67,11 +78,62 @@ def knn_counts(
     for start in range(0, features.shape[0], chunk_size):
         f = features[start:start + chunk_size].to(bank.device, bank.dtype)
         y = targets[start:start + chunk_size].to(bank.device).long()
-        scores = knn_scores(f, bank, bank_targets, num_classes, k, temperature)
-        for i, j in enumerate(topk):
-            correct[i] += (scores.topk(min(j, num_classes), dim=1).indices == y[:, None]).any(1).sum()
+        correct += _correct(knn_scores(f, bank, bank_targets, num_classes, k, temperature), y, num_classes, topk)
     total = torch.tensor([features.shape[0]], dtype=torch.long, device=bank.device)
     return torch.cat([correct, total])
+
+
+@torch.no_grad()
+def sharded_knn_counts(
+    features: Tensor,
+    targets: Tensor,
+    bank_shard: Tensor,
+    bank_shard_targets: Tensor,
+    num_classes: int,
+    k: int = 200,
+    temperature: float = 0.1,
+    chunk_size: int = 256,
+    topk: Sequence[int] = (1, 5),
+) -> Tensor:
+    """:func:`knn_counts` with the bank split over the ranks: ``[correct@k ...] + [total]`` over *all* queries.
+
+    Every rank holds its own share of the bank (never gathered: an ImageNet bank of 1.28M x 2048 fp32 features is
+    10.5 GB, and a gather would put all of it on every device) and its own queries. The queries of all ranks are
+    gathered (small next to the bank); for each chunk every rank finds the ``k`` most similar rows of its shard,
+    the ranks exchange these (chunk x k similarities and labels), and the merged top ``k`` over all shards is
+    exactly the single-process neighbourhood. The counts are the same on every rank.
+    """
+    queries, query_targets = concat_all_gather(features), concat_all_gather(targets.to(features.device).long())
+    bank_size = sum_across_ranks(torch.tensor([bank_shard.shape[0]], device=bank_shard.device))
+    n_bank = int(bank_size)
+    if n_bank == 0:
+        raise ValueError("the kNN feature bank is empty: the bank loader gave no samples")
+    k = min(k, n_bank)
+    local_k = min(k, bank_shard.shape[0])
+    bank_shard_targets = bank_shard_targets.to(bank_shard.device).long()
+    correct = torch.zeros(len(topk), dtype=torch.long, device=bank_shard.device)
+    for start in range(0, queries.shape[0], chunk_size):
+        f = queries[start:start + chunk_size].to(bank_shard.device, bank_shard.dtype)
+        y = query_targets[start:start + chunk_size].to(bank_shard.device)
+        sim = torch.full((f.shape[0], k), float("-inf"), device=f.device)
+        labels = torch.zeros((f.shape[0], k), dtype=torch.long, device=f.device)
+        if local_k:
+            s, idx = (f @ bank_shard.t()).topk(local_k, dim=1)
+            sim[:, :local_k], labels[:, :local_k] = s.float(), bank_shard_targets[idx]
+        if world_size() > 1:  # (world x chunk, k) -> (chunk, world * k): every shard's candidates per query
+            sim = _all_candidates(sim)
+            labels = _all_candidates(labels)
+            sim, best = sim.topk(k, dim=1)
+            labels = labels.gather(1, best)
+        correct += _correct(_vote(sim, labels, num_classes, temperature), y, num_classes, topk)
+    total = torch.tensor([queries.shape[0]], dtype=torch.long, device=bank_shard.device)
+    return torch.cat([correct, total])
+
+
+def _all_candidates(x: Tensor) -> Tensor:
+    n = x.shape[0]
+    gathered = concat_all_gather(x, equal_sizes=True)  # every rank classifies the same chunk of the same queries
+    return gathered.view(world_size(), n, -1).permute(1, 0, 2).reshape(n, -1)
 
 
 def knn_accuracy(
@@ -85,24 +147,27 @@ def knn_accuracy(
     chunk_size: int = 256,
     device: Optional[torch.device] = None,
     forward_ctx: Optional[Callable] = None,
+    bank_dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
     """Weighted-kNN top-1 / top-5 accuracy (in [0, 1]) of ``module``'s features, on one or many processes.
 
-    Each rank embeds its shard of ``bank_loader`` (the first ``max_bank_size`` samples when set)
-    and of ``val_loader``; the bank is gathered from all ranks, and the correct counts and sample
-    counts are summed over ranks before dividing. ``num_classes`` None: 1 + the largest bank label.
-    Returns ``{"acc1", "acc5", "total"}`` (the same on every rank).
+    Each rank embeds its shard of ``bank_loader`` (the first ``max_bank_size`` samples when set) and keeps it
+    (:func:`sharded_knn_counts`: the bank is never gathered), and its shard of ``val_loader``. ``bank_dtype``
+    ``torch.bfloat16`` halves the bank's memory (the vote weights stay fp32). ``num_classes`` None: 1 + the
+    largest bank label. Returns ``{"acc1", "acc5", "total"}`` (the same on every rank).
     """
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    bank, bank_targets = embed(module, bank_loader, device, limit=max_bank_size, gather=True, forward_context=forward_ctx)
+    bank, bank_targets = embed(module, bank_loader, device, limit=max_bank_size, gather=False, forward_context=forward_ctx)
+    bank = bank.to(bank_dtype)
+    top = bank_targets.max().reshape(1) if bank_targets.numel() else torch.full((1,), -1, device=bank_targets.device)
+    top = int(max_across_ranks(top))
     if num_classes is None:
-        num_classes = int(bank_targets.max()) + 1 if bank_targets.numel() else 1
-    elif bank_targets.numel() and int(bank_targets.max()) >= num_classes:
-        raise ValueError(f"the bank holds label {int(bank_targets.max())} but num_classes is {num_classes}")
+        num_classes = top + 1 if top >= 0 else 1
+    elif top >= num_classes:
+        raise ValueError(f"the bank holds label {top} but num_classes is {num_classes}")
     feats, targets = embed(module, val_loader, device, gather=False, forward_context=forward_ctx)
-    counts = knn_counts(feats, targets, bank, bank_targets, num_classes, k, temperature, chunk_size)
-    counts = sum_across_ranks(counts).tolist()
+    counts = sharded_knn_counts(feats, targets, bank, bank_targets, num_classes, k, temperature, chunk_size).tolist()
     total = max(counts[2], 1)
     return {"acc1": counts[0] / total, "acc5": counts[1] / total, "total": counts[2]}
 
@@ -126,7 +191,8 @@ class KNNMonitor(Callback):
         k: neighbours that vote (InstDisc / MoCo demo: 200); clipped to the bank size.
         temperature: T of the vote weights ``exp(sim / T)`` (0.1).
         max_bank_size: use only the first N train samples as the bank (None: all of them).
-            The bank holds N x D float32 features, spread over the devices while it is built.
+            The bank holds N x D features, split over the devices (each keeps its own share, never gathered).
+        bank_dtype: ``"float32"`` or ``"bfloat16"`` (half the bank's memory; the vote weights stay fp32).
         chunk_size: queries classified at a time (bounds the N x bank similarity matrix).
         log_prefix: metric names are ``f"{log_prefix}/knn_acc1"`` and ``.../knn_acc5``.
         num_classes: overrides ``trainer.datamodule.num_classes``.
@@ -150,8 +216,11 @@ class KNNMonitor(Callback):
         bank_dataloader: Optional[LoaderLike] = None,
         val_dataloader: Optional[LoaderLike] = None,
         run_at_start: bool = True,
+        bank_dtype: Literal["float32", "bfloat16"] = "float32",
     ) -> None:
         super().__init__()
+        if bank_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"bank_dtype must be 'float32' or 'bfloat16', got {bank_dtype!r}")
         if every_n_epochs < 0:
             raise ValueError(f"every_n_epochs must be >= 0 (0: only the baseline), got {every_n_epochs}")
         if k < 1 or temperature <= 0 or chunk_size < 1:
@@ -160,7 +229,7 @@ class KNNMonitor(Callback):
             raise ValueError(f"max_bank_size must be None or >= 1, got {max_bank_size}")
         self.every_n_epochs, self.k, self.temperature = every_n_epochs, k, temperature
         self.max_bank_size, self.chunk_size, self.log_prefix = max_bank_size, chunk_size, log_prefix
-        self.num_classes, self.run_at_start = num_classes, run_at_start
+        self.num_classes, self.run_at_start, self.bank_dtype = num_classes, run_at_start, getattr(torch, bank_dtype)
         self.bank_dataloader, self.val_dataloader = bank_dataloader, val_dataloader
         self.history: list[tuple[int, float]] = []
 
@@ -173,6 +242,7 @@ class KNNMonitor(Callback):
             num_classes=resolve_num_classes(self.num_classes, trainer),
             k=self.k, temperature=self.temperature, max_bank_size=self.max_bank_size,
             chunk_size=self.chunk_size, device=pl_module.device, forward_ctx=forward_context(trainer),
+            bank_dtype=self.bank_dtype,
         )
         metrics = {f"{self.log_prefix}/knn_acc1": result["acc1"], f"{self.log_prefix}/knn_acc5": result["acc5"]}
         self.history.append((trainer.global_step, metrics[f"{self.log_prefix}/knn_acc1"]))

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
-from torchmetrics.functional.classification import multiclass_accuracy
 
 from ._utils import (
     LoaderLike, eval_mode, first_view, forward_context, rank, resolve_loader, resolve_num_classes, shard, world_size,
@@ -110,17 +109,23 @@ class LinearProbe(Callback):
         if features is None or features.shape[0] != y.shape[0]:
             features = self._features(trainer, pl_module, first_view(batch[0]))
         probe = self._ensure(features.shape[1], features.device)
+        # Unlabelled images (target -1, e.g. STL-10's unlabelled split) are ignored by the loss and the accuracy:
+        # masking them out by indexing would synchronise with the device, a -1 class index would assert on a GPU.
+        labelled = y >= 0
         with torch.enable_grad():
             logits = probe(features.detach().float().flatten(1))
-            loss = F.cross_entropy(logits, y)
+            loss = F.cross_entropy(logits, y, ignore_index=-1) if y.numel() else logits.sum() * 0
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            if world_size() > 1:  # keep the probes identical on every rank
-                for p in probe.parameters():
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                    p.grad /= world_size()
+            if world_size() > 1:  # keep the probes identical on every rank: one all-reduce for all the gradients
+                grads = [p.grad for p in probe.parameters()]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                for g, mean in zip(grads, flat.div_(world_size()).split([g.numel() for g in grads])):
+                    g.copy_(mean.view_as(g))
             self.optimizer.step()
-        acc1 = multiclass_accuracy(logits.detach(), y, num_classes=probe.out_features, average="micro")
+        correct = ((logits.detach().argmax(1) == y) & labelled).sum()
+        acc1 = correct / labelled.sum().clamp_min(1)  # no argument validation: torchmetrics' reads the device's values
         pl_module.log_dict({"train/probe_acc1": acc1, "train/probe_loss": loss.detach()}, on_step=True, on_epoch=False)
 
     @torch.no_grad()
@@ -145,9 +150,10 @@ class LinearProbe(Callback):
         loader = resolve_loader(self.val_dataloader, trainer, "eval_val_dataloader")
         device = pl_module.device
         probe = self._ensure(self.classifier.in_features, device)
-        metrics = {"val/probe_acc1": MulticlassAccuracy(self.num_classes, top_k=1, average="micro").to(device)}
+        kw = dict(average="micro", ignore_index=-1, validate_args=False)
+        metrics = {"val/probe_acc1": MulticlassAccuracy(self.num_classes, top_k=1, **kw).to(device)}
         if self.num_classes > 5:
-            metrics["val/probe_acc5"] = MulticlassAccuracy(self.num_classes, top_k=5, average="micro").to(device)
+            metrics["val/probe_acc5"] = MulticlassAccuracy(self.num_classes, top_k=5, **kw).to(device)
         for x, y in shard(loader, rank(), world_size()):
             logits = probe(self._features(trainer, pl_module, x.to(device)).flatten(1))
             for m in metrics.values():

@@ -68,6 +68,20 @@ class ImageTensorDataset(Dataset):
     def __getitem__(self, i: int) -> Tuple[Tensor, Tensor, int]:
         return self.images[i], self.targets[i], i
 
+    def __getitems__(self, indices: Sequence[int]) -> "Batch":
+        """A whole batch by tensor indexing (the DataLoader's fetcher calls this instead of one item at a time)."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return Batch((self.images[index], self.targets[index], index))
+
+
+class Batch(tuple):
+    """``(images, targets, index)`` already stacked: what :meth:`ImageTensorDataset.__getitems__` returns."""
+
+
+def collate(items: Any) -> Tuple[Tensor, Tensor, Tensor]:
+    """The default collate, passing a :class:`Batch` through as a plain tuple."""
+    return tuple(items) if isinstance(items, Batch) else torch.utils.data.default_collate(items)
+
 
 class NormalizeCollate:
     """Collates uint8 image items into one normalised float batch (the evaluation transform)."""
@@ -78,7 +92,7 @@ class NormalizeCollate:
         self.size = size
 
     def __call__(self, items: list) -> Tuple[Tensor, Tensor, Tensor]:
-        images, targets, index = torch.utils.data.default_collate(items)
+        images, targets, index = collate(items)
         x = images.float().div_(255)
         if self.size is not None and x.shape[-1] != self.size:
             x = F.interpolate(x, size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
@@ -134,7 +148,7 @@ class InMemoryDataModule(LightningDataModule):
         else:  # the linear-evaluation protocol: random resized crop (0.08-1) and flip only
             self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, mean=self.mean, std=self.std, n_views=1)
         self._generator: Optional[torch.Generator] = None
-        self._generator_state: Optional[Tensor] = None
+        self._generator_states: Optional[list] = None  # per rank, from a checkpoint
         self._splits: dict[str, ImageTensorDataset] = {}
 
     # --- what a subclass provides -----------------------------------------------------------
@@ -181,11 +195,17 @@ class InMemoryDataModule(LightningDataModule):
         return (views if self.pretrain else views[0]), targets, index
 
     def state_dict(self) -> dict:
+        """The augmentation generator's state of every rank (gathered: Lightning saves on every rank, rank 0 writes)."""
+        from moco_lightning.distributed import gather_objects
+
         g = self._generator
-        return {"augment_rng": (g.get_state() if g is not None else self._generator_state)}
+        mine = g.get_state() if g is not None else self._own_state()
+        return {"augment_rng": gather_objects(mine)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._generator_state = state_dict.get("augment_rng")
+        saved = state_dict.get("augment_rng")
+        # 0.1.0 saved rank 0's state alone (a tensor); since then, one state per rank
+        self._generator_states = [saved] if isinstance(saved, Tensor) else saved
         self._generator = None
 
     # --- helpers ----------------------------------------------------------------------------
@@ -198,18 +218,26 @@ class InMemoryDataModule(LightningDataModule):
                     images, targets = images[:limit], targets[:limit]
                 self._splits[split] = ImageTensorDataset(images, targets.long())
 
+    def _rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
+
+    def _own_state(self) -> Optional[Tensor]:
+        states = self._generator_states
+        return states[self._rank()] if states is not None and self._rank() < len(states) else None
+
     def _train_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
-            rank = self.trainer.global_rank if self.trainer is not None else 0  # each rank its own stream
+            rank = self._rank()  # each rank its own stream
             self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
-            if self._generator_state is not None:  # a checkpoint holds rank 0's state: other ranks branch off it
+            state = self._own_state()
+            if state is not None:  # resuming: this rank's stream continues where it was saved
                 try:
-                    self._generator.set_state(self._generator_state)
+                    self._generator.set_state(state.cpu())
                 except RuntimeError:  # e.g. a GPU run resumed on a CPU: the state formats differ
                     warnings.warn("the checkpoint's augmentation RNG state does not fit this device; views restart from `seed`", stacklevel=2)
-                if rank > 0:
-                    branch = int(torch.randint(0, 2**62, (1,), generator=self._generator, device=device))
-                    self._generator.manual_seed(branch + rank)
+            elif self._generator_states is not None:
+                warnings.warn(f"the checkpoint holds no augmentation RNG state for rank {rank} (it was saved by "
+                              f"{len(self._generator_states)} process(es)): this rank's views restart from `seed`", stacklevel=2)
         return self._generator
 
     def _eval_collate(self) -> NormalizeCollate:
@@ -217,6 +245,6 @@ class InMemoryDataModule(LightningDataModule):
 
     def _loader(self, ds: Dataset, sampler: Optional[Sampler] = None, drop_last: bool = False, collate_fn=None) -> DataLoader:
         return DataLoader(
-            ds, batch_size=self.batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn,
+            ds, batch_size=self.batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn or collate,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available(),
         )

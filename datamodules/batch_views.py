@@ -78,6 +78,9 @@ class BatchViews(nn.Module):
         self.n_views = n_views
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
+        # The datamodule that owns this module is not an nn.Module and is never moved: the statistics follow the
+        # batch's device instead, copied there once and cached (a GPU batch and CPU buffers cannot be mixed).
+        self._stats_on: dict[torch.device, Tuple[Tensor, Tensor]] = {}
 
     @torch.no_grad()
     def forward(self, images: Tensor, generator: Optional[torch.Generator] = None) -> list[Tensor]:
@@ -101,11 +104,21 @@ class BatchViews(nn.Module):
         if self.solarize_prob[v] > 0:
             sol = self._rand(n, x, g, 1, 1, 1) < self.solarize_prob[v]
             out = torch.where(sol & (out >= 0.5), 1.0 - out, out)
-        return (out - self.mean) / self.std
+        mean, std = self._stats(out.device)
+        return (out - mean) / std
+
+    def _stats(self, device: torch.device) -> Tuple[Tensor, Tensor]:
+        if self.mean.device == device:
+            return self.mean, self.std
+        if device not in self._stats_on:
+            self._stats_on[device] = (self.mean.to(device), self.std.to(device))
+        return self._stats_on[device]
 
     def _crop_flip(self, x: Tensor, g: Optional[torch.Generator]) -> Tensor:
         """torchvision's RandomResizedCrop sampling (10 tries, then the whole image) + flip, as one warp."""
         n, c, h, w = x.shape
+        if self.scale == (1.0, 1.0) and h == w == self.size:  # views cropped beforehand: the flip alone, no resample
+            return torch.where(self._rand(n, x, g, 1, 1, 1) < self.hflip_prob, x.flip(-1), x)
         tries = 10
         area = self.scale[0] + (self.scale[1] - self.scale[0]) * self._rand(n, x, g, tries)
         log_ratio = math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * self._rand(n, x, g, tries)
@@ -176,11 +189,23 @@ def _gray(x: Tensor) -> Tensor:
     return (r * x[:, 0:1] + g * x[:, 1:2] + b * x[:, 2:3])
 
 
+_TO_YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]], dtype=torch.float64)
+_FROM_YIQ = torch.linalg.inv(_TO_YIQ)  # once, on the CPU: torch.linalg.inv on a GPU synchronises with the host
+_YIQ_ON: dict = {}
+
+
+def _yiq_matrices(device: torch.device, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    key = (device, dtype)
+    if key not in _YIQ_ON:
+        _YIQ_ON[key] = (_TO_YIQ.to(device, dtype), _FROM_YIQ.to(device, dtype))
+    return _YIQ_ON[key]
+
+
 def _rotate_hue(x: Tensor, angle: Tensor) -> Tensor:
     """Rotate the chroma of RGB images by ``angle`` radians (one per image) in YIQ space."""
-    to_yiq = x.new_tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]])
+    to_yiq, from_yiq = _yiq_matrices(x.device, x.dtype)
     yiq = torch.einsum("ij,njhw->nihw", to_yiq, x)
     cos, sin = angle.cos().view(-1, 1, 1), angle.sin().view(-1, 1, 1)
     i, q = yiq[:, 1], yiq[:, 2]
     yiq = torch.stack([yiq[:, 0], cos * i - sin * q, sin * i + cos * q], 1)
-    return torch.einsum("ij,njhw->nihw", torch.linalg.inv(to_yiq), yiq)
+    return torch.einsum("ij,njhw->nihw", from_yiq, yiq)

@@ -19,29 +19,38 @@ from torch import Tensor
 from .distributed import gather_keeping_local_grad
 
 
-def contrastive_similarities(q: Tensor, k: Tensor, queue: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def contrastive_similarities(
+    q: Tensor, k: Tensor, queue: Optional[Tensor] = None, equal_sizes: bool = False
+) -> Tuple[Tensor, Tensor]:
     """Cosine similarities of the queries to their positive and negative keys, and the positive's index.
 
     ``q``, ``k``: (N, C), L2-normalised, ``k[i]`` the positive of ``q[i]``. ``queue``: (K, C) negatives,
     or None / empty for in-batch negatives. Returns ``(sims, labels)``: with a queue ``sims`` is
     (N, 1 + K) with the positive in column 0; without, (N, global batch) against the keys of every rank
     (gradients reach this rank's keys when ``k`` has them), the positive at ``offset + i``.
+
+    Always in fp32 with autocast off: under bf16 autocast the products ``q @ queue.T`` would come out in bf16
+    (8 bits of mantissa), every negative logit off by up to ~0.4 % before the division by T, while the
+    positive ``(q * k).sum`` stays fp32.
     """
-    if queue is None or queue.shape[0] == 0:
-        keys, offset = gather_keeping_local_grad(k)
-        return q @ keys.T, torch.arange(offset, offset + q.shape[0], device=q.device)
-    l_pos = (q * k).sum(dim=1, keepdim=True)
-    l_neg = q @ queue.T
-    return torch.cat([l_pos, l_neg], dim=1), torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    with torch.autocast(q.device.type, enabled=False):
+        q, k = q.float(), k.float()
+        if queue is None or queue.shape[0] == 0:
+            keys, offset = gather_keeping_local_grad(k, equal_sizes)
+            return q @ keys.T, torch.arange(offset, offset + q.shape[0], device=q.device)
+        l_pos = (q * k).sum(dim=1, keepdim=True)
+        l_neg = q @ queue.float().T
+        return torch.cat([l_pos, l_neg], dim=1), torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
 
 
 def info_nce(
-    q: Tensor, k: Tensor, queue: Optional[Tensor], temperature: float, scale: float = 1.0
+    q: Tensor, k: Tensor, queue: Optional[Tensor], temperature: float, scale: float = 1.0, equal_sizes: bool = False
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(scale · loss, sims, labels)``; logits and cross-entropy are in fp32 (mixed-precision safe).
+    """Returns ``(scale · loss, sims, labels)``; similarities, logits and cross-entropy in fp32 (mixed-precision safe).
 
     MoCo v3 uses ``scale = 2T``, which makes the size of the gradient independent of T.
     """
-    sims, labels = contrastive_similarities(q, k, queue)
-    loss = F.cross_entropy(sims.float() / temperature, labels)
+    sims, labels = contrastive_similarities(q, k, queue, equal_sizes)
+    with torch.autocast(sims.device.type, enabled=False):
+        loss = F.cross_entropy(sims / temperature, labels)
     return loss * scale, sims, labels

@@ -22,17 +22,21 @@ class MemoryBank(nn.Module):
         super().__init__()
         self.size = size
         self.register_buffer("features", F.normalize(torch.randn(size, dim), dim=1))
+        self._checked = False
 
     def positives(self, index: Tensor) -> Tensor:
         """The stored features of the batch's images (their positive keys), without gradient.
 
-        Indices on the CPU are range-checked here; on an accelerator that check would stall every step, so
-        ``MoCo`` checks ``memory_bank_size`` against the training set once, at fit start."""
-        if index.device.type == "cpu" and index.numel() and int(index.max()) >= self.size:
-            raise IndexError(
-                f"MemoryBank: image index {int(index.max())} is outside the bank of {self.size} rows; set "
-                "memory_bank_size to the number of training images"
-            )
+        The index range is checked on the first call (a clear error instead of a device-side assert on a GPU) and
+        then on the CPU only: on an accelerator a check every step would stall it, and ``MoCo`` also checks
+        ``memory_bank_size`` against a sized training set once, at fit start."""
+        if index.numel() and (index.device.type == "cpu" or not self._checked):
+            self._checked = True
+            if int(index.max()) >= self.size or int(index.min()) < 0:
+                raise IndexError(
+                    f"MemoryBank: image index {int(index.max()) if int(index.max()) >= self.size else int(index.min())} "
+                    f"is outside the bank of {self.size} rows; set memory_bank_size to the number of training images"
+                )
         return self.features[index].detach()
 
     def sample(self, k: int) -> Tensor:
@@ -41,8 +45,13 @@ class MemoryBank(nn.Module):
 
     @torch.no_grad()
     def update(self, index: Tensor, q: Tensor, momentum: float) -> None:
-        """``v_i ← normalise(m·v_i + (1 − m)·q_i)`` for the rows of ``index``; a repeated index keeps its last write."""
-        mixed = self.features[index].mul(momentum).add_(q.to(self.features.dtype), alpha=1.0 - momentum)
+        """``v_i ← normalise(m·v_i + (1 − m)·q_i)`` for the rows of ``index``; a repeated index keeps its last write.
+
+        Duplicate indices all write the row computed from the index's *last* query, so the result does not depend
+        on the order in which a GPU performs the writes (index assignment with duplicates is nondeterministic)."""
+        pos = torch.arange(index.shape[0], device=index.device)
+        last = torch.where(index[:, None] == index[None, :], pos[None, :], -1).amax(1)  # last occurrence of each index
+        mixed = self.features[index].mul(momentum).add_(q[last].to(self.features.dtype), alpha=1.0 - momentum)
         self.features[index] = F.normalize(mixed, dim=1)
 
     def extra_repr(self) -> str:

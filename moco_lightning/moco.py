@@ -22,26 +22,26 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import warnings
 from typing import Any, Literal, Optional, Sequence, Union
 
-import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightly.models.modules.heads import BYOLPredictionHead, MoCoProjectionHead, ProjectionHead
 from lightly.models.utils import get_weight_decay_parameters
-from lightly.utils.lars import LARS
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
 
-from . import __version__
+from . import checkpoint as ckpt
 from .backbones import build_backbone
 from .distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks, world_size
-from .split_bn import convert_split_bn
 from .loss import info_nce
 from .memory_bank import MemoryBank
+from .optim import LARS
 from .queue import KeyQueue
+from .split_bn import convert_split_bn
 
 
 class MoCo(LightningModule):
@@ -89,7 +89,7 @@ class MoCo(LightningModule):
             ``"skip"``s the batch with a warning (single process only: DDP ranks must step together).
     """
 
-    FORMAT_VERSION = 1  # of the checkpoint: bumped when the state layout changes
+    FORMAT_VERSION = ckpt.FORMAT_VERSION
 
     def __init__(
         self,
@@ -147,9 +147,11 @@ class MoCo(LightningModule):
         ]
         self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
         self._rng_to_restore: Optional[dict] = None
-        self._keys: Optional[Tensor] = None  # this step's keys, enqueued after the optimizer step
-        self._index: Optional[Tensor] = None  # this step's image indices (memory bank)
+        self._keys: Optional[Tensor] = None  # this step's keys of all ranks, enqueued after the optimizer step
+        self._index: Optional[Tensor] = None  # this step's image indices of all ranks (memory bank)
         self._stepped = 0  # global_step at the last momentum update
+        self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
+        self._nan_flag: Optional[tuple] = None  # the last step's "loss not finite" flag, read one step later
 
     # --- the two encoders -------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
@@ -157,28 +159,37 @@ class MoCo(LightningModule):
         return self.backbone(self._layout(x))
 
     def query(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(features, q): backbone features and the L2-normalised query embedding."""
+        """(features, q): backbone features and the L2-normalised query embedding (fp32)."""
         h = self.backbone(self._layout(x))
         z = self.projection_head(h)
         if self.prediction_head is not None:  # v3: the predictor is on the query side only
             z = self.prediction_head(z)
-        return h, F.normalize(z, dim=1)
+        return h, F.normalize(z.float(), dim=1)
 
     @torch.no_grad()
     def key(self, x: Tensor) -> Tensor:
-        """k: the L2-normalised key embedding, without gradient; the batch is shuffled for BN in training."""
+        """k: the L2-normalised key embedding (fp32), without gradient; the batch is shuffled for BN in training."""
         x = self._layout(x)
         shuffle = self._shuffle if self.training else "off"
         if shuffle == "off":
-            return F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1)
-        # the same permutation on every rank, and again after a resume: seeded by the step
-        g = torch.Generator().manual_seed(1_000_003 * (self.global_step + 1))
+            return self._encode_key(x)
+        # the same permutation on every rank, and again after a resume: seeded by the step; drawn on the batch's
+        # device (a CPU permutation copied to a GPU would synchronise the two)
+        g = torch.Generator(device=x.device).manual_seed(1_000_003 * (self.global_step + 1))
         if shuffle == "ddp":
-            x, state = shuffle_across_ranks(x, g)
-            return unshuffle_across_ranks(F.normalize(self.key_projection_head(self.key_backbone(x)), dim=1), state)
-        perm = torch.randperm(x.shape[0], generator=g).to(x.device)
-        k = F.normalize(self.key_projection_head(self.key_backbone(x[perm])), dim=1)
+            x, state = shuffle_across_ranks(x, g, self._equal_sizes)
+            return unshuffle_across_ranks(self._encode_key(x), state)
+        perm = torch.randperm(x.shape[0], generator=g, device=x.device)
+        k = self._encode_key(x[perm])
         return torch.empty_like(k).index_copy_(0, perm, k)
+
+    @property
+    def _equal_sizes(self) -> bool:
+        """Every rank's training batch has the same size (validation loaders may end unevenly: sizes exchanged)."""
+        return self._equal_batches and self.training
+
+    def _encode_key(self, x: Tensor) -> Tensor:
+        return F.normalize(self.key_projection_head(self.key_backbone(x)).float(), dim=1)
 
     def _layout(self, x: Tensor) -> Tensor:
         return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last and x.ndim == 4 else x
@@ -198,16 +209,17 @@ class MoCo(LightningModule):
         """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
         hp = self.hparams
         scale = 2 * hp.temperature if hp.scale_loss else 1.0
+        x_q, x_k = self._layout(x_q), self._layout(x_k)  # once per view (a no-op afterwards), not per encoder call
         h, q = self.query(x_q)
         k, negatives = self.positives_and_negatives(x_k, index)
-        loss, sims, labels = info_nce(q, k, negatives, hp.temperature, scale)
+        loss, sims, labels = info_nce(q, k, negatives, hp.temperature, scale, self._equal_sizes)
         keys = k.detach()  # what the queue stores; the memory bank stores the image's query instead
         if hp.symmetric:
             if hp.dictionary == "batch":  # the second view's query is its key: nothing to recompute
                 q2, k2 = k, q
             else:
                 q2, (k2, negatives) = self.query(x_k)[1], self.positives_and_negatives(x_q, index)
-            loss = loss + info_nce(q2, k2, negatives, hp.temperature, scale)[0]
+            loss = loss + info_nce(q2, k2, negatives, hp.temperature, scale, self._equal_sizes)[0]
             keys = torch.cat([keys, k2.detach()])
         if hp.dictionary == "memory_bank":  # one row per image: with both views as queries, their mean
             keys = ((q + q2) / 2 if hp.symmetric else q).detach()
@@ -218,6 +230,18 @@ class MoCo(LightningModule):
     def setup(self, stage: str) -> None:
         if stage != "fit":
             return
+        if self.hparams.on_nan == "skip" and self.trainer.world_size > 1:
+            raise ValueError(
+                f"MoCo: on_nan='skip' cannot be used with {self.trainer.world_size} processes: every rank must take "
+                "the same optimizer steps (Lightning does not support skipping a batch under DDP); use on_nan='raise'"
+            )
+        if str(self.trainer.precision) in ("bf16-true", "16-true"):
+            raise ValueError(
+                f"MoCo: precision={self.trainer.precision!r} stores the key encoder and the queue in half precision, "
+                "where the momentum update's step (1 - m) * (θ_q - θ_k), 0.001 of the difference at m = 0.999, is "
+                "below the format's resolution and the key encoder stops moving: use precision='bf16-mixed' (the "
+                "weights, the queue and the logits stay fp32)"
+            )
         mode, has_bn = self.hparams.shuffle_bn, any(isinstance(m, nn.BatchNorm2d) for m in self.backbone.modules())
         if mode == "auto":
             mode = "off" if not has_bn else "ddp" if self.trainer.world_size > 1 else "split"
@@ -239,20 +263,84 @@ class MoCo(LightningModule):
             for name in self._ddp_params_and_buffers_to_ignore:  # the dictionary's buffers, kept out of DDP's sync
                 torch.distributed.broadcast(self.get_buffer(name), src=0)
 
-    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
+        self._raise_if_last_loss_was_not_finite()
         x_q, x_k = batch[0]
         index = batch[2] if len(batch) > 2 else None
         out = self.contrast(x_q, x_k, index)
-        if not torch.isfinite(out["loss"]):
-            return self._non_finite(out["loss"], batch_idx)
-        self._keys, self._index = out.pop("keys"), index
+        if self.hparams.on_nan == "skip":  # one process only; reading the loss synchronises with the device
+            if not torch.isfinite(out["loss"]):
+                warnings.warn(f"MoCo: loss is {out['loss'].item()} {self._where(batch_idx)}; batch skipped "
+                              "(on_nan='skip')", stacklevel=2)
+                return None
+        else:
+            self._flag_non_finite(out["loss"], batch_idx)
+        # The keys (and bank indices) of all ranks are gathered here, where every rank runs the same code: the
+        # momentum update and the enqueue after the optimizer step are then local, and so is a checkpoint save.
+        gather = self.memory_bank is not None or self.queue.size > 0  # no queue (v3, end-to-end): nothing to store
+        self._keys = concat_all_gather(out.pop("keys"), self._equal_sizes) if gather else None
+        self._index = concat_all_gather(index, self._equal_sizes) if self.memory_bank is not None else None
         self._log_step("train", out, on_step=True, on_epoch=False)
-        self.log("train/momentum", self.momentum_at(self.global_step), on_step=True, on_epoch=False)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True, on_epoch=False)
+        # Python floats would become a blocking host-to-device copy each step: logged from pinned memory instead
+        self.log_dict({"train/momentum": self._scalar(self.momentum_at(self.global_step)),
+                       "lr": self._scalar(self.trainer.optimizers[0].param_groups[0]["lr"])}, on_step=True, on_epoch=False)
         return {key: out[key] for key in ("loss", "features", "q", "k")}
+
+    def _scalar(self, value: float) -> Tensor:
+        t = torch.tensor(value, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    # --- non-finite losses: decided by all ranks together, read one step late ------------------
+    def _flag_non_finite(self, loss: Tensor, batch_idx: int) -> None:
+        """Records whether the loss of any rank is non-finite, without waiting for the device.
+
+        The flag is all-reduced (max) so that every rank sees a NaN of any rank and all stop at the same step
+        (a per-rank check stops one rank, and the others wait in the next collective until a timeout). It is
+        copied to the host asynchronously and read at the start of the next step, when a checkpoint is about to
+        be saved, or at the end of training: reading it now would stall the GPU once per step."""
+        flag = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(1)
+        if world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        event = None
+        if flag.is_cuda:
+            host = torch.empty_like(flag, device="cpu").pin_memory()
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flag = host
+        self._nan_flag = (flag, event, loss.detach(), self._where(batch_idx))
+
+    def _raise_if_last_loss_was_not_finite(self) -> None:
+        if self._nan_flag is None:
+            return
+        flag, event, loss, where = self._nan_flag
+        self._nan_flag = None
+        if event is not None:
+            event.synchronize()
+        if int(flag):
+            local = f"this rank's loss is {loss.item()}" if torch.isfinite(loss) else f"loss is {loss.item()}"
+            raise FloatingPointError(
+                f"MoCo: {local} {where}" + (" (a non-finite loss on another rank)" if torch.isfinite(loss) else "")
+                + f". Likely causes: a learning rate too high (lr={self.hparams.lr} per 256 images, now "
+                f"{self.trainer.optimizers[0].param_groups[0]['lr']:.4g}), a temperature too low "
+                f"(temperature={self.hparams.temperature}), or fp16 overflow (precision={self.trainer.precision!r}: try "
+                "bf16-mixed or 32). Every rank stopped; no checkpoint was written with the weights of that step: "
+                "resume from the last good checkpoint with a lower lr, or set on_nan='skip' (one process only)."
+            )
+
+    def _where(self, batch_idx: int) -> str:
+        return f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+
+    def on_train_end(self) -> None:
+        self._raise_if_last_loss_was_not_finite()
 
     def on_train_start(self) -> None:
         self._stepped = self.global_step
+        # Lightning's DistributedSampler gives every rank the same number of samples, so every batch has the same
+        # size on every rank; otherwise (a sampler of one's own, uneven shards) the gathers exchange sizes first.
+        loader = self.trainer.train_dataloader
+        self._equal_batches = isinstance(getattr(loader, "sampler", None), DistributedSampler) and (
+            getattr(loader, "batch_size", None) is not None)
         if self.memory_bank is not None:  # checked once here: a per-step index check would stall an accelerator
             dataset = getattr(getattr(self.trainer, "train_dataloader", None), "dataset", None)
             try:
@@ -262,22 +350,9 @@ class MoCo(LightningModule):
             if n > self.memory_bank.size:
                 raise ValueError(f"MoCo: memory_bank_size={self.memory_bank.size}, but the training set has {n} images; "
                                  f"set memory_bank_size to {n} (one bank row per training image)")
-        if self._rng_to_restore is not None:  # resuming: the global RNGs continue where the checkpoint left them
-            _set_rng_states(self._rng_to_restore)
+        if self._rng_to_restore is not None:  # resuming: this rank's global RNGs continue where they were saved
+            ckpt.set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
-
-    def _non_finite(self, loss: Tensor, batch_idx: int) -> None:
-        where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        if self.hparams.on_nan == "skip":
-            warnings.warn(f"MoCo: loss is {loss.item()} {where}; batch skipped (on_nan='skip')", stacklevel=2)
-            return None
-        raise FloatingPointError(
-            f"MoCo: loss is {loss.item()} {where}. Likely causes: a learning rate too high "
-            f"(lr={self.hparams.lr} per 256 images, now {self.trainer.optimizers[0].param_groups[0]['lr']:.4g}), "
-            f"a temperature too low (temperature={self.hparams.temperature}), or fp16 overflow "
-            f"(precision={self.trainer.precision!r}: try bf16-mixed or 32). Training stopped before any checkpoint "
-            "was written with these weights; resume from the last good checkpoint with a lower lr, or set on_nan='skip'."
-        )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._finish_step()
@@ -288,11 +363,11 @@ class MoCo(LightningModule):
             self._stepped = self.global_step
             if self.key_backbone is not None:
                 self.momentum_update(self.momentum_at(self.global_step - 1))
-        if self._keys is not None:
+        if self._keys is not None:  # the keys of all ranks (gathered in training_step)
             if self.memory_bank is not None:
-                self.memory_bank.update(concat_all_gather(self._index), concat_all_gather(self._keys), self.hparams.momentum)
-            elif self.queue.size > 0:  # no queue (v3, end-to-end): no keys to gather across ranks
-                self.queue.enqueue(concat_all_gather(self._keys), step=self.global_step)
+                self.memory_bank.update(self._index, self._keys, self.hparams.momentum)
+            else:
+                self.queue.enqueue(self._keys, step=self.global_step)
             self._keys = self._index = None
 
     @torch.no_grad()
@@ -316,6 +391,8 @@ class MoCo(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
         # finish this step first, so that a checkpoint at step N holds N momentum updates and N steps' keys.
+        # This step's update and keys are local by now (gathered in training_step): no collective here.
+        self._raise_if_last_loss_was_not_finite()
         if self._keys is not None or (self._trainer is not None and self.trainer.training and self.global_step != self._stepped):
             self._finish_step()
             checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items()
@@ -323,29 +400,15 @@ class MoCo(LightningModule):
         bad = [name for name, p in self.named_parameters() if not torch.isfinite(p).all()]
         if bad:
             raise FloatingPointError(f"MoCo: refusing to write a checkpoint with non-finite weights in {bad[:5]}")
-        checkpoint["moco_lightning"] = {"format_version": self.FORMAT_VERSION, "version": __version__,
-                                        "rng_states": _rng_states()}
+        checkpoint["moco_lightning"] = ckpt.metadata()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("moco_lightning")
-        if meta is None:
-            raise ValueError("MoCo: this checkpoint was not written by moco-lightning's MoCo (no 'moco_lightning' entry)")
-        if meta["format_version"] > self.FORMAT_VERSION:
-            raise ValueError(
-                f"MoCo: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is newer than "
-                f"this moco-lightning {__version__} reads (format {self.FORMAT_VERSION}): upgrade moco-lightning"
-            )
-        saved = checkpoint.get("hyper_parameters", {})
+        ckpt.check_format(meta, "MoCo")
         structural = ("backbone", "cifar_stem", "in_channels", "width", "head", "dim", "hidden_dim", "queue_size",
                       "predictor_hidden_dim", "dictionary", "memory_bank_size")
-        differ = [f"{k}: checkpoint {saved[k]!r}, model {self.hparams[k]!r}" for k in structural
-                  if k in saved and k in self.hparams and saved[k] != self.hparams[k]]
-        if differ:
-            raise ValueError(
-                "MoCo: the checkpoint does not fit this model (" + "; ".join(differ) + "). Build the model with the "
-                "checkpoint's settings (MoCo.load_from_checkpoint does) or start a new run."
-            )
-        self._rng_to_restore = meta.get("rng_states")
+        ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, structural, "MoCo")
+        self._rng_to_restore = ckpt.this_ranks_rng_states(meta)
 
     # --- validation / prediction: never enqueue, never move the key encoder -----------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -361,7 +424,8 @@ class MoCo(LightningModule):
         sims, labels = out["sims"], out["labels"]
         pos = sims.gather(1, labels[:, None])
         top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
-        self.log(f"{stage}/loss", out["loss"], prog_bar=True, **kwargs)
+        # in the progress bar for validation only: a training-step tensor there is read on the host every step
+        self.log(f"{stage}/loss", out["loss"], prog_bar=stage != "train", **kwargs)
         self.log_dict({
             f"{stage}/acc1": (top5[:, 0] == labels).float().mean(),
             f"{stage}/acc5": (top5 == labels[:, None]).any(1).float().mean(),
@@ -380,7 +444,7 @@ class MoCo(LightningModule):
         lr = hp.lr * self._global_batch_size() / 256
         groups = [{"params": [p for p in decay if p.requires_grad], "weight_decay": hp.weight_decay},
                   {"params": [p for p in no_decay if p.requires_grad], "weight_decay": 0.0}]
-        if hp.optimizer == "lars":  # lightly's LARS skips the adaptation for the weight-decay-free group, as v3
+        if hp.optimizer == "lars":  # lightly's update, host-sync free: no adaptation for the decay-free group, as v3
             optimizer = LARS(groups, lr=lr, momentum=hp.sgd_momentum)
         elif hp.optimizer == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=lr)
@@ -431,25 +495,6 @@ def _freeze_patch_embedding(backbone: nn.Module) -> None:
         raise ValueError("MoCo: freeze_patch_embed=True needs a ViT backbone with a patch embedding 'conv_proj' "
                          "(torchvision's vit_* or moco_lightning.backbones.ViT)")
     proj.requires_grad_(False)
-
-
-def _rng_states() -> dict:
-    """The global RNG states, in types that ``torch.load(weights_only=True)`` accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-              "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _set_rng_states(states: dict) -> None:
-    torch.set_rng_state(states["torch"])
-    kind, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _cosine(step: float, total: float, start: float, end: float) -> float:

@@ -26,14 +26,15 @@ def tiny_backbone(in_channels: int = 1) -> nn.Module:
     )
 
 
-def tiny_moco(**kwargs):
+def tiny_moco(cls=None, **kwargs):
     from moco_lightning import MoCo
 
+    cls = cls or MoCo
     args = dict(backbone=tiny_backbone(), in_channels=1, image_size=28, head="mlp", hidden_dim=32, dim=8,
                 queue_size=32, momentum=0.9, temperature=0.2, lr=0.06, lr_schedule="constant",
                 shuffle_bn="off")
     args.update(kwargs)
-    return MoCo(**args)
+    return cls(**args)
 
 
 def tiny_data(**kwargs):

@@ -180,3 +180,30 @@ def test_one_view_with_default_probabilities():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchViews(32, **kwargs)
+
+
+@pytest.mark.parametrize("preset", ["moco_v1", "moco_v2", "moco_v3"])
+def test_every_tensor_of_the_views_follows_the_batch_device(preset):
+    """The datamodule owning the views is never moved to the GPU: the views must follow the batch. The meta device
+    stands in for a GPU here: any tensor left on the CPU raises 'Tensor on device cpu is not on the expected device'."""
+    from moco_lightning.datamodules.transforms import linear_eval_views, view_settings
+
+    st = view_settings(preset, 48, blur=True)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.2, 0.2)
+    images = torch.randint(0, 256, (4, 3, 40, 40), dtype=torch.uint8).to("meta")
+    for views in (st.batch_views(mean, std)(images), linear_eval_views(48, mean, std)(images),
+                  st.colour_views(mean, std)(torch.zeros(4, 2, 3, 48, 48, dtype=torch.uint8, device="meta"))):
+        assert all(v.device.type == "meta" and v.shape == (4, 3, 48, 48) for v in views)
+
+
+def test_in_memory_datamodule_makes_views_on_the_batch_device():
+    from types import SimpleNamespace
+
+    from conftest import tiny_data
+
+    dm = tiny_data()
+    dm.trainer = SimpleNamespace(training=True, validating=False, sanity_checking=False, global_rank=0)
+    dm._train_generator = lambda device: None  # the meta device has no generator; everything else runs as on a GPU
+    images = torch.zeros(8, 1, 28, 28, dtype=torch.uint8, device="meta")
+    (v1, v2), _, _ = dm.on_after_batch_transfer((images, torch.zeros(8), torch.arange(8)), 0)
+    assert v1.device.type == v2.device.type == "meta"

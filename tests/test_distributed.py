@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from conftest import cpu_trainer, tiny_moco
+from moco_lightning import MoCo
 from moco_lightning.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
 from moco_lightning.queue import KeyQueue
 from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
@@ -253,3 +254,119 @@ def test_v3_loss_uses_the_global_batch_with_labels_offset_by_rank(tmp_path):
         expected = 2 * 0.2 * torch.nn.functional.cross_entropy(r[rank]["q"] @ keys.T / 0.2, labels)
         torch.testing.assert_close(r[rank]["loss"], expected)
         assert r[rank]["k_grad"].abs().sum() > 0  # the local keys keep their gradient (end-to-end mechanism)
+
+
+# --- GPU-readiness: collective decisions, per-rank state, no size exchanges ------------------------------------
+class NaNOnRank1(LightningDataModule):
+    """Two-view batches of B random images; rank 1's batch ``bad_batch`` holds a NaN (only rank 1 sees it)."""
+
+    def __init__(self, bad_batch: int = 1):
+        super().__init__()
+        self.bad_batch = bad_batch
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(self.trainer.global_rank)
+        v1, v2 = torch.randn(B * STEPS, 1, 8, 8, generator=g), torch.randn(B * STEPS, 1, 8, 8, generator=g)
+        if self.trainer.global_rank == 1:
+            v1[self.bad_batch * B] = float("nan")
+        return DataLoader(Pairs(v1, v2), batch_size=B, shuffle=False)
+
+
+class RecordsItsError(MoCo):
+    """MoCo that writes the error a training step raises, on each rank (spawned ranks run no on_exception hooks)."""
+
+    out_dir = ""
+
+    def training_step(self, batch, batch_idx):
+        try:
+            return super().training_step(batch, batch_idx)
+        except Exception as e:
+            with open(os.path.join(self.out_dir, f"exception{self.global_rank}.txt"), "w") as f:
+                f.write(f"{type(e).__name__}: {e}\nstep {self.global_step}")
+            raise
+
+
+def test_ddp_nan_on_one_rank_stops_every_rank_with_the_message(tmp_path):
+    seed_everything(0, verbose=False)
+    RecordsItsError.out_dir = str(tmp_path)
+    model = tiny_moco(RecordsItsError, backbone=no_bn_backbone(), image_size=8, queue_size=16)
+    model.out_dir = str(tmp_path)  # the spawned ranks receive a pickled copy of the instance
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    trainer = cpu_trainer(max_steps=STEPS, devices=2, strategy=ddp, limit_val_batches=0, use_distributed_sampler=False)
+    with pytest.raises(Exception, match="FloatingPointError"):
+        trainer.fit(model, NaNOnRank1(bad_batch=1))
+    for rank in (0, 1):  # both ranks stopped with the clear message, at the same step (not a broken connection)
+        text = (tmp_path / f"exception{rank}.txt").read_text()
+        assert text.startswith("FloatingPointError: MoCo:") and "at global step 1 (epoch 0, batch 1)" in text, text
+        assert "Every rank stopped" in text and text.endswith("step 2")
+    assert "another rank" in (tmp_path / "exception0.txt").read_text()  # rank 0's own loss was finite
+
+
+def test_ddp_refuses_on_nan_skip_at_fit_start(tmp_path):
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    trainer = cpu_trainer(max_steps=STEPS, devices=2, strategy=ddp, limit_val_batches=0, use_distributed_sampler=False)
+    with pytest.raises(Exception, match=r"on_nan='skip' cannot be used with 2 processes"):
+        trainer.fit(tiny_moco(backbone=no_bn_backbone(), image_size=8, on_nan="skip"), NaNOnRank1())
+
+
+class DrawFromGlobalRNG(Callback):
+    """Gives each rank its own global RNG stream at fit start (unless resuming) and records one draw per step."""
+
+    def __init__(self, out_dir, tag):
+        self.out_dir, self.tag, self.draws = out_dir, tag, []
+
+    def setup(self, trainer, pl_module, stage):
+        torch.manual_seed(100 + trainer.global_rank)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.draws.append((trainer.global_step, torch.randint(0, 2**30, (1,)).item()))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.draws, os.path.join(self.out_dir, f"{self.tag}{trainer.global_rank}.pt"))
+
+
+class Counted(Callback):
+    """Counts, on each rank, the all_gather calls that exchange one integer: the row counts of an uneven gather."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def setup(self, trainer, pl_module, stage):
+        original = dist.all_gather
+        self.count = 0
+
+        def counting(out, t, *args, **kwargs):
+            if t.numel() == 1 and t.dtype == torch.long:
+                self.count += 1
+            return original(out, t, *args, **kwargs)
+
+        dist.all_gather = counting
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.count, os.path.join(self.out_dir, f"counts{trainer.global_rank}.pt"))
+
+
+def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_sizes(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from conftest import tiny_data
+
+    def run(max_steps, tag, ckpt_path=None):
+        seed_everything(0, verbose=False)
+        model = tiny_moco(shuffle_bn="ddp", queue_size=48)
+        ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+        saver = ModelCheckpoint(dirpath=tmp_path / tag, every_n_train_steps=2, save_top_k=-1)
+        callbacks = [DrawFromGlobalRNG(str(tmp_path), tag), saver, Counted(str(tmp_path))]
+        cpu_trainer(max_steps=max_steps, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0,
+                    enable_checkpointing=True).fit(model, tiny_data(train_subset=128), ckpt_path=ckpt_path)
+
+    run(4, "whole")
+    # Lightning's DistributedSampler: equal batches on both ranks, the gathers exchange no sizes
+    assert [torch.load(tmp_path / f"counts{r}.pt") for r in (0, 1)] == [0, 0]
+    run(2, "first")
+    run(4, "resumed", ckpt_path=str(next((tmp_path / "first").glob("*step=2.ckpt"))))
+    for rank in (0, 1):
+        whole = dict(torch.load(tmp_path / f"whole{rank}.pt"))
+        resumed = dict(torch.load(tmp_path / f"resumed{rank}.pt"))
+        assert sorted(resumed) == [2, 3] and all(resumed[s] == whole[s] for s in (2, 3)), (rank, whole, resumed)
+    assert dict(torch.load(tmp_path / "whole0.pt"))[2] != dict(torch.load(tmp_path / "whole1.pt"))[2]

@@ -110,6 +110,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    gathered_rows = []
+    original = dist.all_gather
+
+    def recording(out, t, *args, **kwargs):  # the rows of every D-dimensional feature tensor gathered
+        if t.ndim == 2 and t.is_floating_point() and t.shape[1] == D:
+            gathered_rows.append(t.shape[0])
+        return original(out, t, *args, **kwargs)
+
+    dist.all_gather = recording
     try:
         bank_loader, val_loader = loaders()
         result = {
@@ -117,6 +126,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             # a plain iterable (not a DataLoader): sharded by batch instead of by sample
             "iterable": knn_accuracy(nn.Identity(), list(bank_loader), list(val_loader), num_classes=10),
             "limited": knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10, max_bank_size=51),
+            "bf16": knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10, bank_dtype=torch.bfloat16),
+            "gathered_rows": gathered_rows,
         }
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -147,6 +158,9 @@ def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):
             assert two[key]["total"] == 21
             assert math.isclose(two[key]["acc1"], one["acc1"]) and math.isclose(two[key]["acc5"], one["acc5"])
         assert math.isclose(two["limited"]["acc1"], limited["acc1"])
+        assert math.isclose(two["bf16"]["acc1"], one["acc1"])
+        # the bank stays sharded (each rank keeps its 50-51 rows): only the queries (<= 14 rows a rank) are gathered
+        assert two["gathered_rows"] and max(two["gathered_rows"]) <= 14, two["gathered_rows"]
 
 
 def test_monitor_in_a_trainer_with_a_plain_module(seeded):

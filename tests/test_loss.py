@@ -53,3 +53,17 @@ def test_logits_are_fp32_under_half_inputs():
     assert loss.dtype == torch.float32
     ref = F.cross_entropy(contrastive_similarities(q.float(), k.float(), queue.float())[0] / 0.07, torch.zeros(4, dtype=torch.long))
     assert abs(loss.item() - ref.item()) < 2e-2
+
+
+def test_similarities_and_loss_are_fp32_under_bf16_autocast():
+    q, k, queue = (fixed(64, 128, s).float() for s in (5, 6, 7))
+    queue = fixed(4096, 128, 8).float()
+    reference = info_nce(q, k, queue, 0.2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, sims, labels = info_nce(q, k, queue, 0.2)
+        bf16_products = q @ queue.T  # what the product gives under autocast when nothing prevents it
+    assert sims.dtype == loss.dtype == torch.float32 and bf16_products.dtype == torch.bfloat16
+    torch.testing.assert_close(sims, reference[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(loss, reference[0], rtol=1e-6, atol=1e-6)
+    # the error the fp32 path avoids: bf16 negatives are off by far more than the tolerance above
+    assert (bf16_products.float() - reference[1][:, 1:]).abs().max() > 1e-3

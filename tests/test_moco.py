@@ -355,3 +355,40 @@ def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded
     expected = before.clone()
     expected[index] = F.normalize(0.5 * before[index] + 0.5 * (q1 + q2) / 2, dim=1)
     torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-6)
+
+
+def test_bf16_mixed_trains_with_fp32_logits_queue_and_weights(seeded):
+    model = tiny_moco(queue_size=64)
+    seen = {}
+
+    class Check(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.update(loss=outputs["loss"].dtype, q=outputs["q"].dtype, k=outputs["k"].dtype)
+
+    cpu_trainer(max_steps=2, limit_val_batches=0, precision="bf16-mixed", callbacks=[Check()]).fit(model, tiny_data())
+    assert seen == {"loss": torch.float32, "q": torch.float32, "k": torch.float32}
+    assert model.queue.keys.dtype == torch.float32 and model.queue.ptr.item() == 32
+    assert all(p.dtype == torch.float32 for p in model.key_backbone.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_half_precision_weights_are_refused_with_the_reason(precision):
+    with pytest.raises(ValueError, match=rf"precision='{precision}' stores the key encoder and the queue in half"):
+        cpu_trainer(max_steps=1, limit_val_batches=0, precision=precision).fit(tiny_moco(), tiny_data())
+
+
+def test_no_host_copy_of_the_key_shuffle_permutation(seeded, monkeypatch):
+    """The shuffle permutation is drawn on the batch's device: nothing drawn on the CPU is copied over."""
+    model = tiny_moco(shuffle_bn="split", bn_splits=4)
+    cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
+    devices = []
+    original = torch.randperm
+
+    def recording(*args, **kwargs):
+        devices.append((kwargs.get("device"), kwargs["generator"].device))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", recording)
+    model.train()
+    model.key(torch.randn(16, 1, 28, 28))
+    assert devices == [(torch.device("cpu"), torch.device("cpu"))]  # the batch's device (here the CPU), both

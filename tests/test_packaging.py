@@ -27,3 +27,23 @@ def test_wheel_installs_one_namespace_and_imports(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(site)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(str(site)) and "FashionMNISTDataModule" in out.stdout
+
+
+def test_lightning_requirement_forwards_set_epoch_to_our_samplers():
+    """Under DDP Lightning wraps the datamodules' seeded samplers; before 2.6.1 (Lightning #21454) the wrapper did
+    not forward set_epoch, so every epoch repeated the first one's order and crops. setup.cfg requires the fix."""
+    import configparser
+
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from moco_lightning.datamodules import SeededRandomSampler
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    requires = [r.strip() for r in cfg["options"]["install_requires"].splitlines() if r.strip() and not r.strip().startswith("#")]
+    assert "lightning>=2.6.1" in requires
+    inner = SeededRandomSampler(20, seed=0)
+    wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0, shuffle=False)
+    first = list(wrapper)
+    wrapper.set_epoch(1)
+    assert inner.epoch == 1 and list(wrapper) != first

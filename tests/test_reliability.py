@@ -143,7 +143,7 @@ def test_checkpoint_mismatch_says_what_differs(seeded, tmp_path):
     assert checkpoint["moco_lightning"]["format_version"] == MoCo.FORMAT_VERSION
     checkpoint["moco_lightning"]["format_version"] = MoCo.FORMAT_VERSION + 1
     torch.save(checkpoint, tmp_path / "future.ckpt")
-    with pytest.raises(ValueError, match=r"checkpoint format 2 .* is newer than this moco-lightning"):
+    with pytest.raises(ValueError, match=rf"checkpoint format {MoCo.FORMAT_VERSION + 1} .* is newer than this moco-lightning"):
         MoCo.load_from_checkpoint(tmp_path / "future.ckpt")
 
 

@@ -1,0 +1,223 @@
+"""A prepared, self-contained check of moco-lightning on a CUDA machine: a few minutes, no dataset download.
+
+    python benchmarks/gpu_check.py                  # on the GPU (the default when CUDA is available)
+    python benchmarks/gpu_check.py --device cpu     # the same code at toy sizes (run by the tests)
+
+What only a GPU can show, each printed as one line (``check: result``):
+
+- ``fit``: MoCo + an in-memory datamodule (random uint8 images, views drawn batched on the device) trains a few
+  steps in bf16-mixed: the first GPU batch does not crash on tensors left on the CPU; logits and queue stay fp32.
+- ``syncs``: host-device synchronisations per training step, counted with ``torch.cuda.set_sync_debug_mode``
+  over steps after the warm-up (Lightning's own included).
+- ``split_bn``: CUDA kernels launched by one SplitBatchNorm2d forward (8 splits) and by a BatchNorm2d.
+- ``bf16_logits``: the largest logit error at K = 65536 under bf16 autocast: ours (fp32 similarities) and a
+  bf16 ``q @ queue.T``.
+- ``knn_memory``: peak memory of the kNN monitor's evaluation for a bank of N x 2048 features, fp32 and bf16.
+- ``checkpoint``: a checkpoint loaded with ``map_location="cuda"`` resumes training (the RNG states were saved as
+  CPU tensors and are restored from wherever they were mapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
+    "toy": dict(image=16, batch=16, images=128, steps=4, queue=256, width=0.25, bank=4096, bank_dim=64),
+    "full": dict(image=64, batch=256, images=8192, steps=30, queue=65536, width=1.0, bank=1_281_167, bank_dim=2048),
+}
+
+
+def synthetic_datamodule(size: dict, channels: int = 3):
+    from moco_lightning.datamodules import InMemoryDataModule
+
+    class Synthetic(InMemoryDataModule):
+        num_classes, in_channels = 10, channels
+        mean, std = (0.5,) * channels, (0.25,) * channels
+
+        def load_split(self, split: str):
+            g = torch.Generator().manual_seed(0 if split == "train" else 1)
+            n = size["images"] if split == "train" else size["batch"] * 2
+            return torch.randint(0, 256, (n, channels, size["image"], size["image"]), generator=g, dtype=torch.uint8), \
+                torch.randint(0, 10, (n,), generator=g)
+
+    return Synthetic(batch_size=size["batch"], image_size=size["image"])
+
+
+def moco(size: dict, **kw):
+    from moco_lightning import MoCo
+
+    args = dict(backbone="resnet18", width=size["width"], cifar_stem=True, image_size=size["image"], queue_size=size["queue"],
+                momentum=0.99, lr=0.06, channels_last=True, hidden_dim=512)
+    args.update(kw)
+    return MoCo(**args)
+
+
+def trainer(device: str, steps: int, **kw):
+    from lightning.pytorch import Trainer
+
+    args = dict(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                limit_val_batches=0, precision="bf16-mixed")
+    args.update(kw)
+    return Trainer(**args)
+
+
+def check_fit(device: str, size: dict) -> str:
+    from lightning.pytorch import Callback
+
+    seen = {}
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.update(views=batch[0][0].device.type, loss=outputs["loss"].dtype)
+
+    model = moco(size)
+    t = time.perf_counter()
+    trainer(device, size["steps"], callbacks=[Look()]).fit(model, synthetic_datamodule(size))
+    return (f"{size['steps']} steps in {time.perf_counter() - t:.1f} s; views on {seen['views']}, loss {seen['loss']}, "
+            f"queue {model.queue.keys.dtype} on {model.queue.keys.device.type}, ptr {int(model.queue.ptr)}")
+
+
+def check_syncs(device: str, size: dict) -> str:
+    if device != "cuda":
+        return "n/a (CUDA only)"
+    from lightning.pytorch import Callback
+
+    class Count(Callback):
+        def __init__(self) -> None:
+            self.warnings, self.counted = [], 0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:  # after the warm-up: count from here on
+                torch.cuda.set_sync_debug_mode("warn")
+                self.catcher = warnings.catch_warnings(record=True)
+                self.warnings = self.catcher.__enter__()
+                warnings.simplefilter("always")
+
+        def on_train_end(self, trainer, pl_module):
+            torch.cuda.set_sync_debug_mode("default")
+            self.catcher.__exit__(None, None, None)
+            self.counted = trainer.global_step - 3
+
+    count = Count()
+    trainer(device, size["steps"] + 3, callbacks=[count]).fit(moco(size), synthetic_datamodule(size))
+    syncs = [w for w in count.warnings if "synchroniz" in str(w.message).lower()]
+    where = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs})[:8]
+    return f"{len(syncs) / max(1, count.counted):.2f} per step over {count.counted} steps; at {where}"
+
+
+def check_split_bn(device: str, size: dict) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    from moco_lightning.split_bn import SplitBatchNorm2d
+
+    x = torch.randn(size["batch"], 64, size["image"], size["image"], device=device).contiguous(memory_format=torch.channels_last)
+    out = []
+    for bn in (SplitBatchNorm2d(64, 8).to(device), nn.BatchNorm2d(64).to(device)):
+        bn(x)
+        activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
+            bn(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        kind = "kernels" if device == "cuda" else "ops"
+        n = sum(1 for e in prof.events() if (e.device_type.name == "CUDA") == (device == "cuda"))
+        out.append(f"{type(bn).__name__} {n} {kind}")
+    return ", ".join(out)
+
+
+def check_bf16_logits(device: str, size: dict) -> str:
+    from moco_lightning.loss import contrastive_similarities
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k = (nn.functional.normalize(torch.randn(256, 128, device=device, generator=g), dim=1) for _ in range(2))
+    queue = nn.functional.normalize(torch.randn(size["queue"], 128, device=device, generator=g), dim=1)
+    exact = contrastive_similarities(q.double(), k.double(), queue.double())[0]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        ours = contrastive_similarities(q, k, queue)[0]
+        naive = torch.cat([(q * k).sum(1, keepdim=True), q @ queue.T], 1)
+    err = lambda s: (s.double() - exact).abs().max().item() / 0.2  # noqa: E731 - in logit units at T = 0.2
+    return f"K {size['queue']}: max logit error ours {err(ours):.2e} ({ours.dtype}), bf16 product {err(naive):.2e}"
+
+
+def check_knn_memory(device: str, size: dict) -> str:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from moco_lightning.callbacks.knn import knn_accuracy
+
+    n, d = size["bank"], size["bank_dim"]
+    feats = torch.randn(n, d)
+    labels = torch.randint(0, 1000, (n,))
+    bank = DataLoader(TensorDataset(feats, labels), batch_size=8192)
+    queries = DataLoader(TensorDataset(feats[:10000], labels[:10000]), batch_size=8192)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        acc = knn_accuracy(nn.Identity(), bank, queries, num_classes=1000, device=torch.device(device), bank_dtype=dtype)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        out.append(f"{str(dtype)[6:]} peak {peak:.2f} GiB, {time.perf_counter() - t:.1f} s, acc1 {acc['acc1']:.3f}")
+    return f"bank {n} x {d}: " + "; ".join(out)
+
+
+def check_checkpoint(device: str, size: dict) -> str:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from moco_lightning import MoCo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saver = ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1)
+        trainer(device, 2, callbacks=[saver], enable_checkpointing=True).fit(moco(size), synthetic_datamodule(size))
+        path = os.path.join(tmp, os.listdir(tmp)[0])
+        loaded = MoCo.load_from_checkpoint(path, map_location=device, weights_only=False)
+        rng_device = loaded._rng_to_restore["torch"].device.type if loaded._rng_to_restore else "none"
+        resumed = moco(size)
+        trainer(device, 4).fit(resumed, synthetic_datamodule(size), ckpt_path=path)
+        return (f"loaded with map_location={device!r} (RNG state tensors on {rng_device}); resumed from step 2 to step "
+                f"{int(resumed.queue.enqueued_at.max())}")
+
+
+CHECKS: dict[str, Callable[[str, dict], str]] = {
+    "fit": check_fit, "syncs": check_syncs, "split_bn": check_split_bn, "bf16_logits": check_bf16_logits,
+    "knn_memory": check_knn_memory, "checkpoint": check_checkpoint,
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", choices=list(SIZES), default=None, help="default: full on CUDA, toy on the CPU")
+    p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    args = p.parse_args(argv)
+    size = SIZES[args.size or ("full" if args.device == "cuda" else "toy")]
+    from _common import quiet
+
+    quiet()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"gpu_check on {name}: torch {torch.__version__}, sizes {size}", flush=True)
+    failed = 0
+    for check in args.checks:
+        t = time.perf_counter()
+        try:
+            result = CHECKS[check](args.device, size)
+        except Exception as e:  # report and go on: one broken check must not hide the others
+            result, failed = f"FAILED {type(e).__name__}: {e}", failed + 1
+        print(f"{check}: {result} [{time.perf_counter() - t:.1f} s]", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
