@@ -122,9 +122,38 @@ def part1(args, device: torch.device) -> None:
     print(f"  BatchViews batched on {device}, num_workers=0:            {rate:10.0f} views/s", flush=True)
     base = results[f"PIL per-image, {args.workers[0]} worker(s)"]
     print(f"  -> BatchViews / PIL({args.workers[0]} workers) = {rate / base:.1f}x")
+    if args.kornia:
+        kornia_views = kornia_pipeline(dm.mean, dm.std, device)
+        rates = {"BatchViews": [], "kornia": []}
+        for _ in range(args.kornia):  # interleaved, median
+            rates["BatchViews"].append(time_epoch(sub.train_dataloader(), lambda b: views(b[0].to(device), g), device))
+            rates["kornia"].append(time_epoch(sub.train_dataloader(), lambda b: kornia_views(b[0].to(device)), device))
+        med = {k: sorted(v)[len(v) // 2] for k, v in rates.items()}
+        print(f"  kornia {kornia_version()} AugmentationSequential (RandomResizedCrop 0.2-1, flip, ColorJitter(0.4, 0.4) "
+              f"p 0.8, Normalize), batched on {device}: {med['kornia']:10.0f} views/s vs BatchViews {med['BatchViews']:.0f} "
+              f"(median of {args.kornia} interleaved runs): kornia / BatchViews = {med['kornia'] / med['BatchViews']:.2f}x",
+              flush=True)
 
     if args.train_steps > 0:
         part1_training(args, dm, images, targets, transform, device)
+
+
+def kornia_version() -> str:
+    import kornia
+
+    return kornia.__version__
+
+
+def kornia_pipeline(mean, std, device):
+    """kornia's equivalent of the quickstart views on a one-channel batch (saturation, hue and grayscale are no-ops
+    on one channel in both): it draws from torch's global RNG, there is no generator argument to seed and save."""
+    import kornia.augmentation as K
+
+    aug = K.AugmentationSequential(
+        K.RandomResizedCrop((28, 28), scale=(0.2, 1.0)), K.RandomHorizontalFlip(),
+        K.ColorJitter(0.4, 0.4, p=0.8), K.Normalize(torch.tensor(mean), torch.tensor(std)),
+    ).to(device)
+    return lambda images: [aug(images.float() / 255) for _ in range(2)]
 
 
 def part1_training(args, dm, images, targets, transform, device) -> None:
@@ -293,6 +322,7 @@ def main(argv=None) -> None:
     p.add_argument("--folder-images", type=int, default=192, help="synthetic JPEGs for part 2 (0: skip)")
     p.add_argument("--folder-size", type=int, default=224)
     p.add_argument("--folder-batch-size", type=int, default=32)
+    p.add_argument("--kornia", type=int, default=5, help="interleaved runs of kornia vs BatchViews (0: skip)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of the main process (default: torch's choice). On a busy shared "

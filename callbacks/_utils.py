@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from moco_lightning.distributed import concat_all_gather, rank, world_size
+from moco_lightning.errors import ConfigError
 
 LoaderLike = Union[Iterable, Callable[[], Iterable]]
 
@@ -55,7 +56,7 @@ def resolve_loader(explicit: Optional[LoaderLike], trainer: Optional[Trainer], m
     dm = getattr(trainer, "datamodule", None) if trainer is not None else None
     fn = getattr(dm, method, None)
     if fn is None:
-        raise ValueError(
+        raise ConfigError(
             f"no loader to evaluate with: the trainer's datamodule has no {method}() (see "
             "moco_lightning.datamodules.base for the contract); pass the loader to the callback instead"
         )

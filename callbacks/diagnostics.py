@@ -24,6 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
 from ._utils import log_now
+from moco_lightning.errors import ConfigError
 
 __all__ = ["RepresentationDiagnostics", "alignment", "mean_queue_age", "uniformity"]
 
@@ -66,7 +67,7 @@ class RepresentationDiagnostics(Callback):
     def __init__(self, every_n_steps: int = 50) -> None:
         super().__init__()
         if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+            raise ConfigError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self._snapshot: Optional[Tensor] = None
         self._snapshot_step = -1

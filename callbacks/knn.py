@@ -29,6 +29,7 @@ from ._utils import (
     LoaderLike, concat_all_gather, embed, forward_context, log_now, max_across_ranks, resolve_loader,
     resolve_num_classes, sum_across_ranks, world_size,
 )
+from moco_lightning.errors import ConfigError
 
 __all__ = ["KNNMonitor", "knn_accuracy", "knn_counts", "knn_scores", "sharded_knn_counts"]
 
@@ -71,7 +72,7 @@ def knn_counts(
     ``chunk_size`` at a time, so memory is O(chunk_size * (M + num_classes)).
     """
     if bank.shape[0] == 0:
-        raise ValueError("the kNN feature bank is empty: the bank loader gave no samples")
+        raise ConfigError("the kNN feature bank is empty: the bank loader gave no samples")
     k = min(k, bank.shape[0])
     bank_targets = bank_targets.to(bank.device).long()
     correct = torch.zeros(len(topk), dtype=torch.long, device=bank.device)
@@ -107,7 +108,7 @@ def sharded_knn_counts(
     bank_size = sum_across_ranks(torch.tensor([bank_shard.shape[0]], device=bank_shard.device))
     n_bank = int(bank_size)
     if n_bank == 0:
-        raise ValueError("the kNN feature bank is empty: the bank loader gave no samples")
+        raise ConfigError("the kNN feature bank is empty: the bank loader gave no samples")
     k = min(k, n_bank)
     local_k = min(k, bank_shard.shape[0])
     bank_shard_targets = bank_shard_targets.to(bank_shard.device).long()
@@ -165,7 +166,7 @@ def knn_accuracy(
     if num_classes is None:
         num_classes = top + 1 if top >= 0 else 1
     elif top >= num_classes:
-        raise ValueError(f"the bank holds label {top} but num_classes is {num_classes}")
+        raise ConfigError(f"the bank holds label {top} but num_classes is {num_classes}")
     feats, targets = embed(module, val_loader, device, gather=False, forward_context=forward_ctx)
     counts = sharded_knn_counts(feats, targets, bank, bank_targets, num_classes, k, temperature, chunk_size).tolist()
     total = max(counts[2], 1)
@@ -220,13 +221,13 @@ class KNNMonitor(Callback):
     ) -> None:
         super().__init__()
         if bank_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"bank_dtype must be 'float32' or 'bfloat16', got {bank_dtype!r}")
+            raise ConfigError(f"bank_dtype must be 'float32' or 'bfloat16', got {bank_dtype!r}")
         if every_n_epochs < 0:
-            raise ValueError(f"every_n_epochs must be >= 0 (0: only the baseline), got {every_n_epochs}")
+            raise ConfigError(f"every_n_epochs must be >= 0 (0: only the baseline), got {every_n_epochs}")
         if k < 1 or temperature <= 0 or chunk_size < 1:
-            raise ValueError(f"need k >= 1, temperature > 0, chunk_size >= 1; got {k}, {temperature}, {chunk_size}")
+            raise ConfigError(f"need k >= 1, temperature > 0, chunk_size >= 1; got {k}, {temperature}, {chunk_size}")
         if max_bank_size is not None and max_bank_size < 1:
-            raise ValueError(f"max_bank_size must be None or >= 1, got {max_bank_size}")
+            raise ConfigError(f"max_bank_size must be None or >= 1, got {max_bank_size}")
         self.every_n_epochs, self.k, self.temperature = every_n_epochs, k, temperature
         self.max_bank_size, self.chunk_size, self.log_prefix = max_bank_size, chunk_size, log_prefix
         self.num_classes, self.run_at_start, self.bank_dtype = num_classes, run_at_start, getattr(torch, bank_dtype)

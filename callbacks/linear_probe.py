@@ -26,6 +26,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ._utils import (
     LoaderLike, eval_mode, first_view, forward_context, rank, resolve_loader, resolve_num_classes, shard, world_size,
 )
+from moco_lightning.errors import ConfigError
 
 __all__ = ["LinearProbe"]
 
@@ -66,7 +67,7 @@ class LinearProbe(Callback):
     ) -> None:
         super().__init__()
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0 or every_n_epochs < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"LinearProbe needs lr > 0, 0 <= momentum < 1, weight_decay >= 0, every_n_epochs >= 0; "
                 f"got {lr}, {momentum}, {weight_decay}, {every_n_epochs}"
             )
@@ -78,7 +79,7 @@ class LinearProbe(Callback):
     # --- the probe itself ---------------------------------------------------------------------
     def _build(self, feature_dim: int, device: torch.device, state: Optional[dict] = None) -> None:
         if self.num_classes is None:
-            raise ValueError("LinearProbe: num_classes is unknown; pass it or use a datamodule with num_classes")
+            raise ConfigError("LinearProbe: num_classes is unknown; pass it or use a datamodule with num_classes")
         with torch.random.fork_rng(devices=[]):  # same init on every rank, global RNG untouched
             torch.manual_seed(self.seed)
             self.classifier = nn.Linear(feature_dim, self.num_classes)

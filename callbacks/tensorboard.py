@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchvision.utils import make_grid
 
 from ._utils import LoaderLike, denormalize, eval_mode, forward_context, resolve_loader, tensorboard_writer
+from moco_lightning.errors import ConfigError
 
 __all__ = ["EmbeddingProjector", "ViewGrid"]
 
@@ -57,7 +58,7 @@ class ViewGrid(Callback):
                  tag: str = "train/views") -> None:
         super().__init__()
         if n_images < 1:
-            raise ValueError(f"n_images must be >= 1, got {n_images}")
+            raise ConfigError(f"n_images must be >= 1, got {n_images}")
         self.n_images, self.mean, self.std, self.tag = n_images, mean, std, tag
         self._done = False
         self._writer: Any = None
@@ -106,7 +107,7 @@ class EmbeddingProjector(Callback):
     ) -> None:
         super().__init__()
         if n_samples < 1 or thumbnail_size < 1:
-            raise ValueError(f"n_samples and thumbnail_size must be >= 1, got {n_samples}, {thumbnail_size}")
+            raise ConfigError(f"n_samples and thumbnail_size must be >= 1, got {n_samples}, {thumbnail_size}")
         self.n_samples, self.dataloader, self.class_names = n_samples, dataloader, class_names
         self.thumbnail_size, self.mean, self.std, self.tag = thumbnail_size, mean, std, tag
         self._writer: Any = None

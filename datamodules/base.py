@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .batch_views import BatchViews
+from moco_lightning.errors import ConfigError
 
 
 class SeededRandomSampler(Sampler[int]):
@@ -57,9 +58,9 @@ class ImageTensorDataset(Dataset):
 
     def __init__(self, images: Tensor, targets: Tensor) -> None:
         if images.dtype != torch.uint8 or images.ndim != 4:
-            raise ValueError(f"images must be a uint8 tensor (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+            raise ConfigError(f"images must be a uint8 tensor (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
         if len(images) != len(targets):
-            raise ValueError(f"{len(images)} images but {len(targets)} targets")
+            raise ConfigError(f"{len(images)} images but {len(targets)} targets")
         self.images, self.targets = images, targets
 
     def __len__(self) -> int:
@@ -132,10 +133,10 @@ class InMemoryDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be None (the whole split) or >= 1, got {value}")
+                raise ConfigError(f"{name} must be None (the whole split) or >= 1, got {value}")
         self.batch_size, self.image_size, self.num_workers, self.seed = batch_size, image_size, num_workers, seed
         self.pretrain = pretrain
         self.train_subset, self.val_subset = train_subset, val_subset
@@ -160,7 +161,7 @@ class InMemoryDataModule(LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         self._load_splits()
         if self.pretrain and len(self._splits["train"]) < self.batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size={self.batch_size} is larger than the {len(self._splits['train'])} training images "
                 "(pretraining drops the last partial batch): lower batch_size or raise train_subset"
             )

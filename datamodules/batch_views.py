@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from moco_lightning.errors import ConfigError
 
 _LUMA = (0.299, 0.587, 0.114)
 
@@ -63,9 +64,9 @@ class BatchViews(nn.Module):
     ) -> None:
         super().__init__()
         if not 0 < min_scale <= max_scale <= 1:
-            raise ValueError(f"min_scale/max_scale must satisfy 0 < min_scale <= max_scale <= 1, got {min_scale}, {max_scale}")
+            raise ConfigError(f"min_scale/max_scale must satisfy 0 < min_scale <= max_scale <= 1, got {min_scale}, {max_scale}")
         if len(mean) != len(std):
-            raise ValueError(f"mean and std need one value per channel, got {len(mean)} and {len(std)}")
+            raise ConfigError(f"mean and std need one value per channel, got {len(mean)} and {len(std)}")
         self.size = size
         self.scale = (min_scale, max_scale)
         self.hflip_prob = hflip_prob
@@ -178,7 +179,7 @@ class BatchViews(nn.Module):
 def _per_view(p: Sequence[float] | float, n_views: int, name: str) -> Tuple[float, ...]:
     p = (float(p),) * n_views if isinstance(p, (int, float)) else tuple(float(v) for v in p)
     if len(p) != n_views or not all(0 <= v <= 1 for v in p):
-        raise ValueError(f"{name} needs one probability in [0, 1] per view ({n_views} views), got {p}")
+        raise ConfigError(f"{name} needs one probability in [0, 1] per view ({n_views} views), got {p}")
     return p
 
 

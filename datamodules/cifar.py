@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .base import InMemoryDataModule
 from .transforms import Preset, linear_eval_views, view_settings
+from moco_lightning.errors import ConfigError, DataNotFoundError
 
 
 def read_cifar_pickle(path: Path, label_key: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -34,21 +35,21 @@ def read_cifar_pickle(path: Path, label_key: str) -> Tuple[np.ndarray, np.ndarra
         with open(path, "rb") as f:
             entry = pickle.load(f, encoding="latin1")
     except Exception as e:  # truncated or not a pickle: UnpicklingError, EOFError, ValueError...
-        raise ValueError(
+        raise ConfigError(
             f"{path}: cannot be read as a CIFAR python pickle ({type(e).__name__}: {e}); delete the folder and get "
             "the dataset again (data.download=true)"
         ) from None
     if not isinstance(entry, dict):
-        raise ValueError(f"{path}: not a CIFAR pickle (holds a {type(entry).__name__}, expected a dict)")
+        raise ConfigError(f"{path}: not a CIFAR pickle (holds a {type(entry).__name__}, expected a dict)")
     entry = {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
     if "data" not in entry or label_key not in entry:
-        raise ValueError(f"{path}: not a CIFAR pickle of this dataset (keys {sorted(entry)}, expected 'data' and {label_key!r})")
+        raise ConfigError(f"{path}: not a CIFAR pickle of this dataset (keys {sorted(entry)}, expected 'data' and {label_key!r})")
     data = np.asarray(entry["data"], dtype=np.uint8)
     labels = np.asarray(entry[label_key], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        raise ValueError(f"{path}: 'data' has shape {data.shape}, expected (N, 3072)")
+        raise ConfigError(f"{path}: 'data' has shape {data.shape}, expected (N, 3072)")
     if len(data) != len(labels):
-        raise ValueError(f"{path}: {len(data)} images but {len(labels)} labels")
+        raise ConfigError(f"{path}: {len(data)} images but {len(labels)} labels")
     return data.reshape(-1, 3, 32, 32), labels
 
 
@@ -132,7 +133,7 @@ class CIFAR10DataModule(InMemoryDataModule):
         if folder is None:
             expected = Path(self.data_dir).expanduser() / self.base_folder
             missing = [f for f in self._all_files() if not (expected / f).is_file()]
-            raise FileNotFoundError(
+            raise DataNotFoundError(
                 f"{self.name} not found: expected {expected}/{{{', '.join(self._all_files())}}} (missing: "
                 f"{', '.join(missing)}), the python version from https://www.cs.toronto.edu/~kriz/cifar.html. "
                 f"Set data.download=true to fetch it through torchvision into data_dir={self.data_dir!r}, or point "
@@ -143,7 +144,7 @@ class CIFAR10DataModule(InMemoryDataModule):
         labels = np.concatenate([p[1] for p in parts])
         bad = (labels < 0) | (labels >= self.num_classes)
         if bad.any():
-            raise ValueError(f"{folder}: {split} labels outside 0..{self.num_classes - 1} (e.g. {labels[bad][0]})")
+            raise ConfigError(f"{folder}: {split} labels outside 0..{self.num_classes - 1} (e.g. {labels[bad][0]})")
         return torch.from_numpy(images), torch.from_numpy(labels)
 
 

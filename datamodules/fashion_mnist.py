@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .base import InMemoryDataModule
+from moco_lightning.errors import ConfigError, DataNotFoundError
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
@@ -32,14 +33,14 @@ def read_idx(path: Path) -> np.ndarray:
         with opener(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError) as e:
-        raise ValueError(f"{path}: cannot be read as an IDX file ({e}); delete it and get the dataset again") from None
+        raise ConfigError(f"{path}: cannot be read as an IDX file ({e}); delete it and get the dataset again") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
-        raise ValueError(f"{path}: not an unsigned-byte IDX file (bad magic number)")
+        raise ConfigError(f"{path}: not an unsigned-byte IDX file (bad magic number)")
     ndim = data[3]
     shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
     start = 4 + 4 * ndim
     if len(data) - start != int(np.prod(shape)):
-        raise ValueError(f"{path}: truncated or corrupt (header says {shape}, {len(data) - start} bytes of data)")
+        raise ConfigError(f"{path}: truncated or corrupt (header says {shape}, {len(data) - start} bytes of data)")
     return np.frombuffer(data, dtype=np.uint8, offset=start).reshape(shape)
 
 
@@ -93,7 +94,7 @@ class FashionMNISTDataModule(InMemoryDataModule):
         folder = self._find_dir()
         if folder is None:
             where = f"data_dir={self.data_dir!r}" if self.data_dir else f"{DEBIAN_DIR} (the default)"
-            raise FileNotFoundError(
+            raise DataNotFoundError(
                 f"Fashion-MNIST not found in {where}: expected the four IDX files "
                 f"{', '.join(f + '.gz' for pair in FILES.values() for f in pair)}. Get them offline with "
                 "`apt-get install dataset-fashion-mnist` (Debian), or set data.download=true to fetch them "
@@ -102,7 +103,7 @@ class FashionMNISTDataModule(InMemoryDataModule):
         image_file, label_file = (self._file(folder, name) for name in FILES[split])
         images, labels = read_idx(image_file), read_idx(label_file)
         if len(images) != len(labels):
-            raise ValueError(f"{image_file} has {len(images)} images but {label_file} has {len(labels)} labels")
+            raise ConfigError(f"{image_file} has {len(images)} images but {label_file} has {len(labels)} labels")
         return torch.from_numpy(images.copy()).unsqueeze(1), torch.from_numpy(labels.astype(np.int64))
 
     def _candidates(self) -> list[Path]:

@@ -40,9 +40,11 @@ Both are deterministic: every image's randomness is drawn from ``(seed, epoch, i
 sampler tags each index with its epoch), so the views do not depend on ``num_workers`` and a resumed
 run sees the same views as an uninterrupted one.
 
-A file that cannot be decoded raises an error naming it; with ``skip_bad_images=True`` it is
-replaced by the next readable image (the batch keeps its size), one warning is given, and
-:attr:`ImageFolderDataModule.bad_images` lists all files skipped so far (across workers).
+A file that cannot be decoded makes the dataset check every file of its split and raise one error naming all
+the unreadable ones. With ``skip_bad_images=True`` each is replaced by the next readable image *of the same
+class* (the batch keeps its size, and no item is ever mislabelled), one warning is given per run,
+:attr:`ImageFolderDataModule.bad_images` lists all files skipped so far (across workers) and the CLI reports
+their count at the end.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from .transforms import (
     random_resized_crop_box,
     view_settings,
 )
+from moco_lightning.errors import ConfigError, DataNotFoundError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -90,7 +93,7 @@ def _images_below(folder: Path) -> List[str]:
 def list_classes(root: Path) -> List[str]:
     """Class folder names of an image folder (sorted); [] for an unlabelled folder."""
     if not root.is_dir():
-        raise FileNotFoundError(_layout_message(root, "does not exist or is not a folder"))
+        raise DataNotFoundError(_layout_message(root, "does not exist or is not a folder"))
     return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
 
 
@@ -105,10 +108,10 @@ def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tu
     top_images = sorted(e.name for e in os.scandir(root) if e.is_file() and _is_image(e.name))
     if not subdirs:
         if not top_images:
-            raise ValueError(_layout_message(root, "holds no images (extensions: " + " ".join(IMG_EXTENSIONS) + ")"))
+            raise ConfigError(_layout_message(root, "holds no images (extensions: " + " ".join(IMG_EXTENSIONS) + ")"))
         return [(os.path.join(root, f), -1) for f in top_images], []
     if top_images:
-        raise ValueError(
+        raise ConfigError(
             f"{root} holds both image files ({top_images[0]}, ...) and class folders ({subdirs[0]}, ...): put every "
             f"image in a class folder ({root}/<class>/*.jpg), or, for unlabelled pretraining, no folders at all"
         )
@@ -117,12 +120,12 @@ def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tu
     index = {c: i for i, c in enumerate(classes)}
     unknown = [d for d in subdirs if d not in index]
     if unknown:
-        raise ValueError(f"{root} has class folders the training folder lacks: {unknown[:5]}; the two must use the same class names")
+        raise ConfigError(f"{root} has class folders the training folder lacks: {unknown[:5]}; the two must use the same class names")
     samples: List[Tuple[str, int]] = []
     for name in subdirs:
         files = _images_below(root / name)
         if not files:
-            raise ValueError(
+            raise ConfigError(
                 f"class folder {root / name} holds no images (extensions: {' '.join(IMG_EXTENSIONS)}): remove it or add "
                 "its images, since an empty class would still count in num_classes"
             )
@@ -166,6 +169,22 @@ def to_mode(img: Image.Image, channels: int) -> Image.Image:
     return img
 
 
+def find_bad_images(paths: Sequence[str], channels: int = 3) -> List[Tuple[str, BaseException]]:
+    """Decodes every file (threads: PIL releases the GIL while decoding); returns ``[(path, error)]`` of those
+    that fail, in order. Checking a whole split costs far less than a fix-and-rerun cycle per bad file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(path: str) -> Optional[Tuple[str, BaseException]]:
+        try:
+            load_image(path, channels)
+        except BadImageError as e:
+            return path, e.cause
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return [r for r in pool.map(check, paths, chunksize=64) if r is not None]
+
+
 def load_image(path: str, channels: int = 3) -> Image.Image:
     """Decodes ``path`` completely; any failure raises an error naming the file."""
     try:
@@ -178,14 +197,19 @@ def load_image(path: str, channels: int = 3) -> Image.Image:
 
 
 class BadImageError(RuntimeError):
-    """An image file that cannot be decoded (corrupt, truncated, not an image)."""
+    """Image files that cannot be decoded (corrupt, truncated, not an image): ``path``/``cause`` is the first,
+    ``found`` all of them ``[(path, cause)]`` when the split was scanned."""
 
-    def __init__(self, path: str, cause: BaseException) -> None:
-        self.path, self.cause = path, cause
-        super().__init__(
-            f"{path}: cannot be read as an image ({type(cause).__name__}: {cause}). Delete or replace the file, or set "
-            "data.skip_bad_images=true to skip unreadable images"
-        )
+    def __init__(self, path: str, cause: Optional[BaseException] = None, found: Sequence[Tuple[str, BaseException]] = (),
+                 scanned: int = 0) -> None:
+        self.path, self.cause, self.found = path, cause, list(found) or [(path, cause)]
+        if cause is None:  # re-raised from a DataLoader worker: the message alone
+            super().__init__(path)
+            return
+        names = "; ".join(f"{p}: cannot be read as an image ({type(c).__name__}: {c})" for p, c in self.found)
+        where = f" ({len(self.found)} unreadable of the {scanned} files of this split, all checked)" if scanned else ""
+        super().__init__(f"{names}{where}. Delete or replace them, or set data.skip_bad_images=true to skip unreadable "
+                         "images (each is replaced by a readable image of the same class, counted and reported)")
 
 
 # --- what the workers make of an image --------------------------------------------------------------
@@ -259,19 +283,24 @@ class ImageFileDataset(Dataset):
         make: ``(PIL image, seed) -> output`` (:class:`SeededPIL`, :class:`RandomCrops`, :class:`Deterministic`).
         channels: 3 (RGB) or 1 (L).
         seed, stream: with the epoch and index, the image's seed.
-        skip_bad_images: replace an unreadable image by the next readable one instead of raising.
+        skip_bad_images: replace an unreadable image by the next readable one *of the same class* (so no item is
+            ever mislabelled) instead of raising; without it, the first unreadable file makes the dataset check
+            all its files and raise one error naming every unreadable one.
+        bad, warned: shared registries (datasets over the same files share ``bad``; a datamodule's datasets share
+            ``warned``, so a run warns once); created when not given. Shared with the worker processes.
     """
 
     def __init__(
         self, samples: Sequence[Tuple[str, int]], make: Callable[[Image.Image, int], Any], channels: int = 3,
-        seed: int = 0, stream: int = 0, skip_bad_images: bool = False,
+        seed: int = 0, stream: int = 0, skip_bad_images: bool = False, bad: Optional[Tensor] = None,
+        warned: Optional[Tensor] = None,
     ) -> None:
         self.paths = [p for p, _ in samples]
         self.targets = torch.tensor([t for _, t in samples], dtype=torch.long)
         self.make, self.channels, self.seed, self.stream = make, channels, seed, stream
         self.skip_bad_images = skip_bad_images
-        # which files failed, shared with the worker processes
-        self.bad = torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()
+        self.bad = bad if bad is not None else torch.zeros(len(self.paths), dtype=torch.bool).share_memory_()
+        self.warned = warned if warned is not None else torch.zeros(1, dtype=torch.bool).share_memory_()
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -283,25 +312,30 @@ class ImageFileDataset(Dataset):
 
     def _load(self, i: int) -> Image.Image:
         if not self.skip_bad_images:
-            return load_image(self.paths[i], self.channels)
-        n = len(self.paths)
+            try:
+                return load_image(self.paths[i], self.channels)
+            except BadImageError as e:
+                raise BadImageError(e.path, e.cause, find_bad_images(self.paths, self.channels), len(self.paths)) from None
+        n, target = len(self.paths), self.targets[i]
         for j in (i + step for step in range(n)):
             j %= n
-            if self.bad[j]:
+            if self.bad[j] or self.targets[j] != target:  # a stand-in only from the same class: labels stay right
                 continue
             try:
                 return load_image(self.paths[j], self.channels)
             except BadImageError as e:
-                first = not bool(self.bad.any())
                 self.bad[j] = True
-                if first:
+                if not bool(self.warned[0]):
+                    self.warned[0] = True
                     warnings.warn(
                         f"skip_bad_images: {e.path} cannot be read ({type(e.cause).__name__}: {e.cause}); it is replaced "
-                        "by the next readable image. Further unreadable images are skipped without a warning; the "
-                        "datamodule's `bad_images` lists them and `bad_image_count` counts them.",
-                        RuntimeWarning, stacklevel=2,
+                        "by the next readable image of its class. Further unreadable images are skipped without a "
+                        "warning; the datamodule's `bad_images` lists them, `bad_image_count` counts them, and the "
+                        "run's final output reports them.", RuntimeWarning, stacklevel=2,
                     )
-        raise RuntimeError(f"none of the {n} images from {os.path.dirname(self.paths[0])} ... can be read")
+        what = f"class {int(target)}" if target >= 0 else "the folder"
+        raise BadImageError(f"skip_bad_images: none of the images of {what} ({os.path.dirname(self.paths[i])}, ...) can "
+                            "be read: there is no readable image of the same class to stand in for them")
 
     @property
     def bad_images(self) -> List[str]:
@@ -361,9 +395,9 @@ class ImageFolderDataModule(InMemoryDataModule):
         val_subset: Optional[int] = None,
     ) -> None:
         if in_channels not in (1, 3):
-            raise ValueError(f"in_channels must be 1 (grayscale) or 3 (RGB), got {in_channels}")
+            raise ConfigError(f"in_channels must be 1 (grayscale) or 3 (RGB), got {in_channels}")
         if augment_on not in ("auto", "device", "workers"):
-            raise ValueError(f"augment_on must be 'auto', 'device' or 'workers', got {augment_on!r}")
+            raise ConfigError(f"augment_on must be 'auto', 'device' or 'workers', got {augment_on!r}")
         if augment_on == "auto":  # batched colour ops pay off on a GPU; on CPUs the workers share them out
             augment_on = "device" if torch.cuda.is_available() else "workers"
         self.in_channels = in_channels
@@ -371,7 +405,7 @@ class ImageFolderDataModule(InMemoryDataModule):
         self.mean = tuple(mean) if mean is not None else (IMAGENET_MEAN if in_channels == 3 else gray_mean)
         self.std = tuple(std) if std is not None else (IMAGENET_STD if in_channels == 3 else gray_std)
         if len(self.mean) != in_channels or len(self.std) != in_channels:
-            raise ValueError(f"mean and std need {in_channels} values (in_channels={in_channels}), got {self.mean} and {self.std}")
+            raise ConfigError(f"mean and std need {in_channels} values (in_channels={in_channels}), got {self.mean} and {self.std}")
         settings = view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur)
         super().__init__(
             batch_size=batch_size, image_size=image_size, num_workers=num_workers, seed=seed, pretrain=True,
@@ -393,6 +427,7 @@ class ImageFolderDataModule(InMemoryDataModule):
             self.views = settings.batch_views(self.mean, self.std) if pretrain else linear_eval_views(image_size, self.mean, self.std)
         self._classes: Optional[List[str]] = None
         self._eval_splits: dict[str, ImageFileDataset] = {}
+        self._warned = torch.zeros(1, dtype=torch.bool).share_memory_()  # skip_bad_images warns once per run
 
     # --- folders and classes ------------------------------------------------------------------
     @property
@@ -432,8 +467,11 @@ class ImageFolderDataModule(InMemoryDataModule):
         return len(self.bad_images)
 
     # --- datasets -----------------------------------------------------------------------------
-    def _dataset(self, samples: Sequence[Tuple[str, int]], make: Callable, stream: int) -> ImageFileDataset:
-        return ImageFileDataset(samples, make, self.in_channels, self.seed, stream, self.skip_bad_images)
+    def _dataset(self, samples: Sequence[Tuple[str, int]], make: Callable, stream: int,
+                 same_files: Optional[ImageFileDataset] = None) -> ImageFileDataset:
+        bad = same_files.bad if same_files is not None else None  # one registry of unreadable files per file list
+        return ImageFileDataset(samples, make, self.in_channels, self.seed, stream, self.skip_bad_images, bad,
+                                self._warned)
 
     def _train_make(self) -> Callable:
         st = self.view_settings
@@ -454,12 +492,12 @@ class ImageFolderDataModule(InMemoryDataModule):
         train, classes = scan_image_folder(self.train_root)
         self._classes = classes
         if not classes and not self.pretrain:
-            raise ValueError(self._unlabelled_message("linear evaluation (pretrain=False)"))
+            raise ConfigError(self._unlabelled_message("linear evaluation (pretrain=False)"))
         val: List[Tuple[str, int]] = []
         if self.val_root is not None:
             val, val_classes = scan_image_folder(self.val_root, classes if classes else None)
             if classes and not val_classes:
-                raise ValueError(
+                raise ConfigError(
                     f"{self.val_root} holds images without class folders while {self.train_root} has classes: put the "
                     f"validation images in class folders ({self.val_root}/<class>/*.jpg; for ImageNet's flat val folder "
                     "use the usual valprep.sh), or set val_dir=null"
@@ -470,11 +508,11 @@ class ImageFolderDataModule(InMemoryDataModule):
         self._splits["train"] = self._dataset(train, self._train_make(), stream=0)
         if val:
             self._splits["val"] = self._dataset(val, self._train_make(), stream=1)
-        self._eval_splits["train"] = self._dataset(train, self._eval_make(), stream=2)
+        self._eval_splits["train"] = self._dataset(train, self._eval_make(), stream=2, same_files=self._splits["train"])
         if val:
-            self._eval_splits["val"] = self._dataset(val, self._eval_make(), stream=3)
+            self._eval_splits["val"] = self._dataset(val, self._eval_make(), stream=3, same_files=self._splits["val"])
         if self.pretrain and len(train) < self.batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size={self.batch_size} is larger than the {len(train)} training images in {self.train_root} "
                 "(pretraining drops the last partial batch): lower batch_size or add images"
             )
@@ -500,15 +538,15 @@ class ImageFolderDataModule(InMemoryDataModule):
 
     def eval_train_dataloader(self) -> DataLoader:
         if not self.labelled:
-            raise ValueError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
+            raise ConfigError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
         return self._loader(self._eval_splits["train"])
 
     def eval_val_dataloader(self) -> DataLoader:
         if not self.labelled:
-            raise ValueError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
+            raise ConfigError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
         if "val" not in self._eval_splits:
             where = "val_dir=None" if self.val_dir is None else f"{Path(self.data_dir).expanduser() / self.val_dir} does not exist"
-            raise ValueError(f"no validation images ({where}): put them in <data_dir>/{self.val_dir or 'val'}/<class>/*.jpg")
+            raise ConfigError(f"no validation images ({where}): put them in <data_dir>/{self.val_dir or 'val'}/<class>/*.jpg")
         return self._loader(self._eval_splits["val"])
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from .base import ImageTensorDataset, InMemoryDataModule, SeededRandomSampler
 from .transforms import Preset, linear_eval_views, view_settings
+from moco_lightning.errors import ConfigError, DataNotFoundError
 
 IMAGE_BYTES = 3 * 96 * 96
 FILES = {
@@ -44,7 +45,7 @@ def read_stl10_images(path: Path, limit: Optional[int] = None, out: Optional[Ten
     when given (its first N rows), ``chunk`` images at a time."""
     size = path.stat().st_size
     if size == 0 or size % IMAGE_BYTES:
-        raise ValueError(
+        raise ConfigError(
             f"{path}: {size} bytes is not a whole number of 3x96x96 images ({IMAGE_BYTES} bytes each): truncated or "
             "not an STL-10 binary; delete it and get the dataset again (data.download=true)"
         )
@@ -62,9 +63,9 @@ def read_stl10_images(path: Path, limit: Optional[int] = None, out: Optional[Ten
 def read_stl10_labels(path: Path, n_images: int) -> Tensor:
     labels = np.fromfile(path, dtype=np.uint8).astype(np.int64)
     if len(labels) != n_images:
-        raise ValueError(f"{path}: {len(labels)} labels for {n_images} images (truncated or mismatched files)")
+        raise ConfigError(f"{path}: {len(labels)} labels for {n_images} images (truncated or mismatched files)")
     if len(labels) and (labels.min() < 1 or labels.max() > 10):
-        raise ValueError(f"{path}: labels must be 1..10, found {labels.min()}..{labels.max()}")
+        raise ConfigError(f"{path}: labels must be 1..10, found {labels.min()}..{labels.max()}")
     return torch.from_numpy(labels - 1)
 
 
@@ -106,7 +107,7 @@ class STL10DataModule(InMemoryDataModule):
         val_subset: Optional[int] = None,
     ) -> None:
         if unlabeled_subset is not None and unlabeled_subset < 0:
-            raise ValueError(f"unlabeled_subset must be None (all 100 000), 0 (none) or a positive count, got {unlabeled_subset}")
+            raise ConfigError(f"unlabeled_subset must be None (all 100 000), 0 (none) or a positive count, got {unlabeled_subset}")
         settings = view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur)
         super().__init__(
             batch_size=batch_size, image_size=image_size, num_workers=num_workers, seed=seed, pretrain=True,
@@ -140,7 +141,7 @@ class STL10DataModule(InMemoryDataModule):
         if folder is None:
             expected = Path(self.data_dir).expanduser() / "stl10_binary"
             missing = [f for f in self._needed() if not (expected / f).is_file()]
-            raise FileNotFoundError(
+            raise DataNotFoundError(
                 f"STL-10 not found: expected {expected}/{{{', '.join(self._needed())}}} (missing: {', '.join(missing)}), "
                 "the binary version from https://cs.stanford.edu/~acoates/stl10/ (stl10_binary.tar.gz, 2.6 GB). "
                 f"Set data.download=true to fetch it through torchvision into data_dir={self.data_dir!r}, or point "
@@ -184,7 +185,7 @@ class STL10DataModule(InMemoryDataModule):
                 self._splits["pretrain"] = ImageTensorDataset(images, targets)
         n = len(self._splits["pretrain" if self.pretrain else "train"])
         if self.pretrain and n < self.batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size={self.batch_size} is larger than the {n} pretraining images "
                 "(pretraining drops the last partial batch): lower batch_size or raise unlabeled_subset / train_subset"
             )

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from .batch_views import BatchViews
+from moco_lightning.errors import ConfigError
 
 Preset = Literal["moco_v1", "moco_v2", "moco_v3"]
 PRESETS: Tuple[str, ...] = ("moco_v1", "moco_v2", "moco_v3")
@@ -142,11 +143,11 @@ def view_settings(
             any size; False: no blur.
     """
     if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is not one of {list(PRESETS)}")
+        raise ConfigError(f"preset={preset!r} is not one of {list(PRESETS)}")
     if image_size < 1:
-        raise ValueError(f"image_size must be >= 1, got {image_size}")
+        raise ConfigError(f"image_size must be >= 1, got {image_size}")
     if jitter_strength < 0:
-        raise ValueError(f"jitter_strength must be >= 0, got {jitter_strength}")
+        raise ConfigError(f"jitter_strength must be >= 0, got {jitter_strength}")
     if preset == "moco_v1":
         st = ViewSettings(preset, image_size, 0.2, 1.0, (0.4, 0.4, 0.4, 0.4), 0.2, (0.0, 0.0), (0.0, 0.0))
     elif preset == "moco_v2":
@@ -155,7 +156,7 @@ def view_settings(
         st = ViewSettings(preset, image_size, 0.08, 0.8, (0.4, 0.4, 0.2, 0.1), 0.2, (1.0, 0.1), (0.0, 0.2))
     if min_scale is not None:
         if not 0 < min_scale <= 1:
-            raise ValueError(f"min_scale must be in (0, 1], got {min_scale}")
+            raise ConfigError(f"min_scale must be in (0, 1], got {min_scale}")
         st = replace(st, min_scale=float(min_scale))
     if jitter_strength != 1.0:
         b, c, s, h = st.jitter
@@ -275,5 +276,5 @@ class PerViewColour(nn.Module):
     @torch.no_grad()
     def forward(self, images: Tensor, generator: Optional[torch.Generator] = None) -> List[Tensor]:
         if images.ndim != 5 or images.shape[1] != len(self.per_view):
-            raise ValueError(f"expected pre-cropped views (N, {len(self.per_view)}, C, H, W), got {tuple(images.shape)}")
+            raise ConfigError(f"expected pre-cropped views (N, {len(self.per_view)}, C, H, W), got {tuple(images.shape)}")
         return [bv(images[:, v], generator)[0] for v, bv in enumerate(self.per_view)]

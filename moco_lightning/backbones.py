@@ -12,6 +12,7 @@ from typing import Tuple, Union
 import torch
 import torchvision
 from torch import nn
+from .errors import ConfigError
 
 # Attribute holding the classifier in torchvision's model families.
 _HEADS = ("fc", "heads", "classifier", "head")
@@ -30,7 +31,9 @@ def build_backbone(
 
     Args:
         backbone: a torchvision model name (``"resnet18"``, ``"resnet50"``, ``"vit_b_16"``...), built
-            with random weights, or an ``nn.Module`` mapping images to features (N, D).
+            with random weights; ``"timm:<name>"`` for a timm model (``"timm:resnet10t"``, ``"timm:vit_small_patch16_224"``:
+            random weights, no classifier, ``in_chans`` and, for models that take it, ``img_size`` set; extra
+            ``[timm]``); or an ``nn.Module`` mapping images to features (N, D).
         cifar_stem: ResNets only: 3x3 stride-1 first convolution, no max-pool (for 28-64 px images).
         in_channels: input channels; the first convolution is rebuilt when this is not 3.
         image_size: side of the dummy input used to find D when it cannot be read off the model.
@@ -39,21 +42,23 @@ def build_backbone(
     """
     if isinstance(backbone, nn.Module):
         return backbone, _probe_dim(backbone, in_channels, image_size)
+    if isinstance(backbone, str) and backbone.startswith("timm:"):
+        model = _timm_model(backbone[len("timm:"):], in_channels, image_size, width)
+        if cifar_stem:
+            _cifar_stem(model, in_channels, backbone)
+        return model, _probe_dim(model, in_channels, image_size)
     names = torchvision_models()
     if backbone not in names:
-        raise ValueError(f"backbone={backbone!r} is not a torchvision classification model; use one of {names} or pass an nn.Module")
+        raise ConfigError(f"backbone={backbone!r} is not a torchvision classification model; use one of {names} or pass an nn.Module")
     if width <= 0:
-        raise ValueError(f"width must be > 0, got {width}")
+        raise ConfigError(f"width must be > 0, got {width}")
     kwargs = {"image_size": image_size} if backbone.startswith("vit_") else {}
     if width != 1.0:
         model = _narrow_resnet(backbone, width)
     else:
         model = torchvision.models.get_model(backbone, weights=None, **kwargs)
     if cifar_stem:
-        if not (hasattr(model, "conv1") and hasattr(model, "maxpool")):
-            raise ValueError(f"cifar_stem=True applies to ResNet-style backbones (conv1 + maxpool); {backbone!r} has none")
-        model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
-        model.maxpool = nn.Identity()
+        _cifar_stem(model, in_channels, backbone)
     elif in_channels != 3:
         _replace_first_conv(model, in_channels)
     dim = None
@@ -64,8 +69,43 @@ def build_backbone(
             setattr(model, attr, nn.Identity())
             break
     else:
-        raise ValueError(f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead")
+        raise ConfigError(f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead")
     return model, dim if dim is not None else _probe_dim(model, in_channels, image_size)
+
+
+def _cifar_stem(model: nn.Module, in_channels: int, name: str) -> None:
+    """The official CIFAR demo's stem: a 3x3 stride-1 first convolution and no max-pool. A deep stem (timm's
+    ``resnet*d``/``*t``: three 3x3 convolutions) keeps its convolutions, the first at stride 1."""
+    conv1 = getattr(model, "conv1", None)
+    first = next((m for m in conv1.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(conv1, nn.Module) else None
+    if first is None or not hasattr(model, "maxpool"):
+        raise ConfigError(f"cifar_stem=True applies to ResNet-style backbones (a conv1 stem + maxpool); {name!r} "
+                          "has none")
+    if isinstance(conv1, nn.Conv2d):
+        model.conv1 = nn.Conv2d(in_channels, conv1.out_channels, 3, 1, 1, bias=False)
+    else:
+        first.stride = (1, 1)
+    model.maxpool = nn.Identity()
+
+
+def _timm_model(name: str, in_channels: int, image_size: int, width: float) -> nn.Module:
+    """A timm model with random weights and no classifier (``num_classes=0``: pooled features)."""
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError(f"backbone='timm:{name}' needs timm: pip install 'moco-lightning[timm]'") from None
+    if not timm.is_model(name):
+        close = timm.list_models(f"*{name.split('_')[0]}*")[:10]
+        raise ConfigError(f"backbone='timm:{name}': timm {timm.__version__} has no model {name!r}"
+                          + (f"; similar: {close}" if close else "; see timm.list_models()"))
+    if width != 1.0:
+        raise ConfigError(f"width={width} applies to torchvision's resnetNN backbones; timm models have their own "
+                          "width variants (e.g. timm:resnet18d, timm:mobilenetv3_small_050)")
+    kwargs = dict(pretrained=False, num_classes=0, in_chans=in_channels)
+    try:  # ViTs and other fixed-size models take the image size; most convolutional ones do not
+        return timm.create_model(name, img_size=image_size, **kwargs)
+    except TypeError:
+        return timm.create_model(name, **kwargs)
 
 
 class ViT(torchvision.models.VisionTransformer):
@@ -79,7 +119,7 @@ class ViT(torchvision.models.VisionTransformer):
     def __init__(self, image_size: int = 32, patch_size: int = 4, in_channels: int = 3, num_layers: int = 12,
                  num_heads: int = 6, hidden_dim: int = 384, mlp_dim: int = 1536) -> None:
         if image_size % patch_size:
-            raise ValueError(f"ViT: image_size={image_size} must be a multiple of patch_size={patch_size}")
+            raise ConfigError(f"ViT: image_size={image_size} must be a multiple of patch_size={patch_size}")
         super().__init__(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim)
         if in_channels != 3:
             self.conv_proj = nn.Conv2d(in_channels, hidden_dim, patch_size, patch_size)
@@ -89,7 +129,7 @@ class ViT(torchvision.models.VisionTransformer):
 def _narrow_resnet(name: str, width: float) -> nn.Module:
     """torchvision's ResNet ``name`` with every stage ``width`` times as wide (same code, same state-dict keys)."""
     if not (name.startswith("resnet") and name[6:].isdigit()):
-        raise ValueError(f"width={width} applies to torchvision's resnetNN backbones, not {name!r}")
+        raise ConfigError(f"width={width} applies to torchvision's resnetNN backbones, not {name!r}")
     reference = torchvision.models.get_model(name, weights=None)
     block = type(reference.layer1[0])
     layers = [len(getattr(reference, f"layer{i}")) for i in range(1, 5)]
@@ -118,7 +158,7 @@ def _replace_first_conv(model: nn.Module, in_channels: int) -> None:
                     child.dilation, child.groups, child.bias is not None,
                 ))
                 return
-    raise ValueError("in_channels != 3 needs a first nn.Conv2d to rebuild; the backbone has none")
+    raise ConfigError("in_channels != 3 needs a first nn.Conv2d to rebuild; the backbone has none")
 
 
 @torch.no_grad()
@@ -128,12 +168,12 @@ def _probe_dim(model: nn.Module, in_channels: int, image_size: int) -> int:
     try:
         out = model(torch.zeros(2, in_channels, image_size, image_size))
     except Exception as e:  # noqa: BLE001 - re-raised with the argument that fixes it
-        raise ValueError(
+        raise ConfigError(
             f"could not run the backbone on a (2, {in_channels}, {image_size}, {image_size}) input to find its "
             f"feature size ({e}); set in_channels/image_size to what it expects"
         ) from e
     finally:
         model.train(was_training)
     if out.ndim != 2:
-        raise ValueError(f"the backbone must return features of shape (N, D); it returned {tuple(out.shape)}")
+        raise ConfigError(f"the backbone must return features of shape (N, D); it returned {tuple(out.shape)}")
     return out.shape[1]

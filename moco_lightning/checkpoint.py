@@ -18,6 +18,7 @@ import torch
 
 from . import __version__
 from .distributed import gather_objects, rank, world_size
+from .errors import ConfigError
 
 FORMAT_VERSION = 2  # bumped when the layout of the saved state changes
 
@@ -55,9 +56,9 @@ def metadata() -> dict:
 
 def check_format(meta: Optional[Mapping], who: str) -> None:
     if meta is None:
-        raise ValueError(f"{who}: this checkpoint was not written by moco-lightning (no 'moco_lightning' entry)")
+        raise ConfigError(f"{who}: this checkpoint was not written by moco-lightning (no 'moco_lightning' entry)")
     if meta["format_version"] > FORMAT_VERSION:
-        raise ValueError(
+        raise ConfigError(
             f"{who}: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is newer than "
             f"this moco-lightning {__version__} reads (format {FORMAT_VERSION}): upgrade moco-lightning"
         )
@@ -84,7 +85,7 @@ def check_structure(saved: Mapping, current: Mapping, fields: Iterable[str], who
     differ = [f"{k}: checkpoint {saved[k]!r}, model {current[k]!r}" for k in fields
               if k in saved and k in current and saved[k] != current[k]]
     if differ:
-        raise ValueError(
+        raise ConfigError(
             f"{who}: the checkpoint does not fit this model (" + "; ".join(differ) + "). Build the model with the "
             "checkpoint's settings (load_from_checkpoint does) or start a new run."
         )

@@ -1,35 +1,150 @@
 """The ``moco-lightning`` command: Lightning's CLI over :class:`MoCo` and any datamodule.
 
     moco-lightning fit --config configs/quickstart.yaml
+    moco-lightning fit --config configs/quickstart.yaml --ckpt_path last     # resume the newest run
     moco-lightning fit --config configs/moco_v2.yaml --data.init_args.data_dir /data/imagenet
     python -m moco_lightning fit --print_config
     moco-lightning export --ckpt last.ckpt --out backbone.pt
+
+What it adds to LightningCLI:
+
+- ``--ckpt_path last`` resumes the newest run under the logger's ``save_dir/name`` (its ``last.ckpt``) and keeps
+  logging into that run's ``version_N``. Lightning alone looks for "last" only in the new run's own folder, finds
+  nothing and silently starts from scratch. With no earlier run it says so in one line and starts a new one.
+- Resuming with model settings that differ from the checkpoint's: a structural one (backbone, width, K, dim...)
+  is an error naming each; any other is replaced by the checkpoint's value (what Lightning does) with a warning
+  naming each, instead of silently.
+- A bad setting or input ends with its message alone (``error: ...``, exit code 2); ``MOCO_LIGHTNING_DEBUG=1``
+  shows the traceback.
+- ``fit`` ends with a table of the final metrics (and the count of unreadable images skipped, if any).
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Optional
+import warnings
+from pathlib import Path
+from typing import Any, Optional
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
+from .errors import ConfigError
 from .moco import MoCo
 
 
 class MoCoCLI(LightningCLI):
-    """LightningCLI that ends ``fit`` with a table of the final metrics (used by ``linear_eval`` too)."""
+    """LightningCLI with resumable ``--ckpt_path last``, checked resume settings and a final-metrics table."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        sub = self.config.get("subcommand")
+        self._given_model: Optional[dict] = None
+        if sub and sub in self.config:
+            if self.config[sub].get("ckpt_path") == "last":
+                self.config[sub]["ckpt_path"] = resolve_last_checkpoint(self.config[sub])
+            if self.config[sub].get("ckpt_path"):  # Lightning now replaces the model's settings by the checkpoint's
+                self._given_model = _plain(self.config[sub]["model"])
+
+    def before_instantiate_classes(self) -> None:
+        sub = self.subcommand
+        if sub is None or self._given_model is None:
+            return
+        saved = _plain(self.config[sub]["model"])
+        structural = set(getattr(self.model_class, "STRUCTURAL", ()))
+        differ = {k: (self._given_model[k], saved[k]) for k in saved
+                  if k in self._given_model and self._given_model[k] != saved[k]}
+        wrong = {k: v for k, v in differ.items() if k in structural}
+        if wrong:
+            raise ConfigError(
+                f"--ckpt_path {self.config[sub]['ckpt_path']}: the checkpoint does not fit the configured model ("
+                + "; ".join(f"{k}: checkpoint {s!r}, config {g!r}" for k, (g, s) in sorted(wrong.items()))
+                + "). Resume with the settings it was trained with, or drop --ckpt_path to start a new run."
+            )
+        if differ:
+            warnings.warn(
+                f"resuming from {self.config[sub]['ckpt_path']}: the checkpoint's model settings are used, these "
+                "configured values are ignored: " + "; ".join(
+                    f"{k}: config {g!r}, checkpoint {s!r}" for k, (g, s) in sorted(differ.items())), stacklevel=2)
 
     def after_fit(self) -> None:
         metrics = {k: float(v) for k, v in sorted(self.trainer.callback_metrics.items()) if v.numel() == 1}
         log_dir = self.trainer.log_dir  # a collective under DDP: every rank must ask
-        if metrics and self.trainer.is_global_zero:
+        if not self.trainer.is_global_zero:
+            return
+        if metrics:
             width = max(map(len, metrics))
             print("\nFinal metrics:")
             for name, value in metrics.items():
                 print(f"  {name:<{width}}  {value:.4g}")
-            if log_dir:
-                print(f"TensorBoard: tensorboard --logdir {log_dir}")
+        skipped = getattr(self.datamodule, "bad_images", None)
+        if skipped:
+            print(f"Skipped {len(skipped)} unreadable image(s) (skip_bad_images): {', '.join(skipped[:5])}"
+                  + (", ..." if len(skipped) > 5 else ""))
+        if metrics and log_dir:
+            print(f"TensorBoard: tensorboard --logdir {log_dir}")
+
+
+def resolve_last_checkpoint(config: Any) -> Optional[str]:
+    """The ``last.ckpt`` of the newest earlier run for ``--ckpt_path last``, or None (with one line saying so).
+
+    Looks in every ModelCheckpoint's fixed ``dirpath``, else in ``<save_dir>/<name>/version_*/checkpoints`` of the
+    first logger (Lightning's default: ``<default_root_dir>/lightning_logs``); the logger is pointed at the version
+    found, so the resumed run goes on logging into it."""
+    trainer = config["trainer"]
+    dirpaths = [_get(_get(cb, "init_args") or {}, "dirpath") for cb in (trainer.get("callbacks") or [])
+                if str(_get(cb, "class_path") or "").endswith("ModelCheckpoint")]
+    found = [p for d in dirpaths if d for p in Path(d).glob("last*.ckpt")]
+    if found:
+        return str(max(found, key=lambda p: p.stat().st_mtime))
+    logger = trainer.get("logger")
+    first = logger[0] if isinstance(logger, list) and logger else logger
+    root = trainer.get("default_root_dir") or os.getcwd()
+    if first in (None, True):
+        save_dir, name, args = root, "lightning_logs", None
+    elif first is False:
+        save_dir, name, args = root, None, None  # no logger: Lightning checkpoints into default_root_dir/checkpoints
+    else:
+        args = _get(first, "init_args")
+        save_dir, name = _get(args, "save_dir") or root, _get(args, "name")
+        name = "lightning_logs" if name is None and "TensorBoard" in str(_get(first, "class_path")) else name
+    base = Path(save_dir) / name if name else Path(save_dir)
+    found = [p for p in base.glob("version_*/checkpoints/last*.ckpt")] + list(base.glob("checkpoints/last*.ckpt"))
+    if not found:
+        print(f"moco-lightning: --ckpt_path last: no last.ckpt under {base} (version_*/checkpoints): starting a new run",
+              file=sys.stderr, flush=True)
+        return None
+    newest = max(found, key=lambda p: p.stat().st_mtime)
+    version = newest.parent.parent.name
+    if version.startswith("version_") and first not in (None, True, False):
+        v = version[len("version_"):]
+        args["version"] = int(v) if v.isdigit() else version
+    elif version.startswith("version_") and first in (None, True):
+        from jsonargparse import Namespace
+
+        v = version[len("version_"):]
+        trainer["logger"] = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=Namespace(
+            save_dir=str(save_dir), name=name, version=int(v) if v.isdigit() else version))
+    print(f"moco-lightning: --ckpt_path last: resuming {newest}", file=sys.stderr, flush=True)
+    return str(newest)
+
+
+def _get(ns: Any, key: str) -> Any:
+    if ns is None:
+        return None
+    return ns.get(key) if hasattr(ns, "get") else getattr(ns, key, None)
+
+
+def _plain(value: Any) -> Any:
+    """A jsonargparse Namespace (nested) as plain dicts and lists, for comparing settings."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k != "__path__"}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -41,9 +156,19 @@ def main(args: Optional[list[str]] = None) -> None:
     run_cli(MoCo, args)
 
 
-def run_cli(model_class: type, args: Optional[list[str]] = None) -> MoCoCLI:
+def run_cli(model_class: type, args: Optional[list[str]] = None) -> Optional[MoCoCLI]:
     """Lightning's CLI over ``model_class`` and any datamodule (``data: class_path: ...``)."""
-    return MoCoCLI(model_class, LightningDataModule, subclass_mode_data=True, save_config_kwargs={"overwrite": True}, args=args)
+    from moco_lightning.datamodules.image_folder import BadImageError
+
+    try:
+        return MoCoCLI(model_class, LightningDataModule, subclass_mode_data=True, save_config_kwargs={"overwrite": True},
+                       args=args)
+    except (ConfigError, BadImageError) as e:
+        if os.environ.get("MOCO_LIGHTNING_DEBUG"):
+            raise
+        prog = "moco-lightning" if model_class is MoCo else f"python -m {model_class.__module__}"
+        sys.stderr.write(f"{prog}: error: {e}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

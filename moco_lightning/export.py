@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import torch
+from .errors import ConfigError, DataNotFoundError
 
 PREFIX = {"query": "backbone.", "key": "key_backbone."}
 
@@ -25,14 +26,18 @@ def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] 
     """The query (default) or key encoder's backbone weights from a MoCo checkpoint, keys as in torchvision."""
     path = Path(ckpt_path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    if "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
-        raise ValueError(f"{path} is not a moco-lightning MoCo checkpoint (no 'moco_lightning' / 'state_dict' entry)")
+        raise DataNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # not a torch file at all: UnpicklingError, RuntimeError (zip), EOFError (truncated)...
+        raise ConfigError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}). Pass "
+                          "a .ckpt file written by `moco-lightning fit` (under <run>/checkpoints/)") from None
+    if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
+        raise ConfigError(f"{path} is not a moco-lightning MoCo checkpoint (no 'moco_lightning' / 'state_dict' entry)")
     prefix = PREFIX[encoder]
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state:
-        raise ValueError(f"{path}: no '{prefix}*' weights in the checkpoint's state_dict")
+        raise ConfigError(f"{path}: no '{prefix}*' weights in the checkpoint's state_dict")
     return state
 
 

@@ -24,13 +24,14 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from .backbones import build_backbone
+from .errors import ConfigError, DataNotFoundError
 
 __all__ = ["LinearClassifier", "load_backbone_weights", "main"]
 
 
 def _read_checkpoint(path: str) -> Any:
     if not os.path.isfile(path):
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"checkpoint {path!r} not found: set model.ckpt_path (or model.backbone_state_dict) to a file written "
             "by pretraining, e.g. runs/<name>/version_0/checkpoints/<epoch=...>.ckpt"
         )
@@ -43,7 +44,7 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
     obj = _read_checkpoint(path)
     state = obj.get("state_dict", obj) if isinstance(obj, dict) else obj
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a state dict or a Lightning checkpoint, got {type(state).__name__}")
+        raise ConfigError(f"{path}: expected a state dict or a Lightning checkpoint, got {type(state).__name__}")
     prefixed = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
     backbone.load_state_dict(prefixed if prefixed else state, strict=True)
 
@@ -76,8 +77,8 @@ class LinearClassifier(LightningModule):
 
     - ``ckpt_path`` alone: a MoCo checkpoint, via ``MoCo.load_from_checkpoint`` (its ``.backbone``
       and ``.feature_dim``). MoCo pretrained with a named (torchvision) backbone only.
-    - ``backbone`` (an ``nn.Module``, or a torchvision name built with ``cifar_stem``,
-      ``in_channels``, ``image_size`` as in MoCo) with, optionally, its weights from ``ckpt_path``
+    - ``backbone`` (an ``nn.Module``, or a torchvision / ``timm:`` name built with ``cifar_stem``,
+      ``in_channels``, ``image_size`` and ``width`` as in MoCo) with, optionally, its weights from ``ckpt_path``
       (the ``backbone.*`` entries of a MoCo checkpoint: use this for MoCo pretrained with a module
       of your own) or from ``backbone_state_dict`` (a path to a state dict).
 
@@ -111,24 +112,25 @@ class LinearClassifier(LightningModule):
         cifar_stem: bool = False,
         in_channels: int = 3,
         image_size: int = 224,
+        width: float = 1.0,
     ) -> None:
         super().__init__()
         if schedule not in ("step", "cosine"):
-            raise ValueError(f"schedule={schedule!r}: use 'step' (the paper's) or 'cosine'")
+            raise ConfigError(f"schedule={schedule!r}: use 'step' (the paper's) or 'cosine'")
         if lr <= 0 or weight_decay < 0 or not 0 <= momentum < 1:
-            raise ValueError(f"need lr > 0, weight_decay >= 0, 0 <= momentum < 1; got {lr}, {weight_decay}, {momentum}")
+            raise ConfigError(f"need lr > 0, weight_decay >= 0, 0 <= momentum < 1; got {lr}, {weight_decay}, {momentum}")
         if ckpt_path is not None and backbone_state_dict is not None:
-            raise ValueError("give either ckpt_path or backbone_state_dict, not both")
+            raise ConfigError("give either ckpt_path or backbone_state_dict, not both")
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         if backbone is None:
             if ckpt_path is None:
-                raise ValueError("LinearClassifier needs a backbone: pass ckpt_path (a MoCo checkpoint) or backbone")
+                raise ConfigError("LinearClassifier needs a backbone: pass ckpt_path (a MoCo checkpoint) or backbone")
             self.backbone, dim = self._from_moco_checkpoint(ckpt_path)
         else:
             if isinstance(backbone, nn.Module) and feature_dim is not None:
                 self.backbone, dim = backbone, feature_dim
             else:
-                self.backbone, dim = build_backbone(backbone, cifar_stem, in_channels, image_size)
+                self.backbone, dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
             weights = ckpt_path if ckpt_path is not None else backbone_state_dict
             if weights is not None:
                 load_backbone_weights(self.backbone, weights)
@@ -149,7 +151,7 @@ class LinearClassifier(LightningModule):
                 # a checkpoint this library wrote (it holds the RNG states, numpy's included: not weights-only)
                 moco = MoCo.load_from_checkpoint(path, map_location="cpu", weights_only=False)
         except (TypeError, RuntimeError) as e:  # MoCo saved with an nn.Module backbone: not in its hyper-parameters
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: could not rebuild MoCo from its checkpoint ({e}). If it was pretrained with a backbone "
                 "module of your own, pass that module as `backbone` together with `ckpt_path`"
             ) from e
@@ -169,7 +171,7 @@ class LinearClassifier(LightningModule):
         if self.head is None:
             n = getattr(getattr(self.trainer, "datamodule", None), "num_classes", None)
             if n is None:
-                raise ValueError("LinearClassifier: pass num_classes or use a datamodule with a num_classes attribute")
+                raise ConfigError("LinearClassifier: pass num_classes or use a datamodule with a num_classes attribute")
             self._build_head(n)
 
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --
@@ -219,7 +221,7 @@ class LinearClassifier(LightningModule):
         if hp.schedule == "cosine":
             epochs = self.trainer.max_epochs
             if epochs is None or epochs < 1:
-                raise ValueError("schedule='cosine' needs trainer.max_epochs")
+                raise ConfigError("schedule='cosine' needs trainer.max_epochs")
             scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
         else:
             scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp.milestones), gamma=0.1)

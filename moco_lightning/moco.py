@@ -41,7 +41,8 @@ from .loss import info_nce
 from .memory_bank import MemoryBank
 from .optim import LARS
 from .queue import KeyQueue
-from .split_bn import convert_split_bn
+from .split_bn import convert_split_bn, revert_split_bn
+from .errors import ConfigError
 
 
 class MoCo(LightningModule):
@@ -90,6 +91,9 @@ class MoCo(LightningModule):
     """
 
     FORMAT_VERSION = ckpt.FORMAT_VERSION
+    #: settings that change the shape of the weights or of the dictionary: a checkpoint must agree on them
+    STRUCTURAL = ("backbone", "cifar_stem", "in_channels", "width", "head", "dim", "hidden_dim", "queue_size",
+                  "predictor_hidden_dim", "dictionary", "memory_bank_size")
 
     def __init__(
         self,
@@ -200,7 +204,7 @@ class MoCo(LightningModule):
             return self.query(x_k)[1], None
         if self.hparams.dictionary == "memory_bank":  # InstDisc: the image's stored feature; negatives sampled
             if index is None:
-                raise ValueError("MoCo: dictionary='memory_bank' needs each image's index: batches (views, targets, index), "
+                raise ConfigError("MoCo: dictionary='memory_bank' needs each image's index: batches (views, targets, index), "
                                  "as moco-lightning's datamodules give them")
             return self.memory_bank.positives(index), self.memory_bank.sample(self.hparams.queue_size)
         return self.key(x_k), (self.queue.keys if self.queue.size > 0 else None)
@@ -231,12 +235,12 @@ class MoCo(LightningModule):
         if stage != "fit":
             return
         if self.hparams.on_nan == "skip" and self.trainer.world_size > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"MoCo: on_nan='skip' cannot be used with {self.trainer.world_size} processes: every rank must take "
                 "the same optimizer steps (Lightning does not support skipping a batch under DDP); use on_nan='raise'"
             )
         if str(self.trainer.precision) in ("bf16-true", "16-true"):
-            raise ValueError(
+            raise ConfigError(
                 f"MoCo: precision={self.trainer.precision!r} stores the key encoder and the queue in half precision, "
                 "where the momentum update's step (1 - m) * (θ_q - θ_k), 0.001 of the difference at m = 0.999, is "
                 "below the format's resolution and the key encoder stops moving: use precision='bf16-mixed' (the "
@@ -246,7 +250,7 @@ class MoCo(LightningModule):
         if mode == "auto":
             mode = "off" if not has_bn else "ddp" if self.trainer.world_size > 1 else "split"
         if mode == "ddp" and self.trainer.world_size == 1:
-            raise ValueError("MoCo: shuffle_bn='ddp' needs a distributed run (world size > 1); use 'split' or 'auto' on one device")
+            raise ConfigError("MoCo: shuffle_bn='ddp' needs a distributed run (world size > 1); use 'split' or 'auto' on one device")
         if mode == "split":
             convert_split_bn(self.backbone, self.hparams.bn_splits)
             if self.key_backbone is not None:
@@ -257,6 +261,13 @@ class MoCo(LightningModule):
         self._shuffle = mode
         if self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit" and self._shuffle == "split":  # split BN only while fitting: the user's BatchNorm2d again
+            for encoder in (self.backbone, self.key_backbone):
+                if encoder is not None:
+                    revert_split_bn(encoder)
+        self._shuffle = "off"
 
     def on_fit_start(self) -> None:
         if world_size() > 1:  # identical initial queue on every rank, even without a common seed
@@ -348,7 +359,7 @@ class MoCo(LightningModule):
             except TypeError:  # no dataloader.dataset, or an iterable dataset: MemoryBank checks indices on the CPU
                 n = 0
             if n > self.memory_bank.size:
-                raise ValueError(f"MoCo: memory_bank_size={self.memory_bank.size}, but the training set has {n} images; "
+                raise ConfigError(f"MoCo: memory_bank_size={self.memory_bank.size}, but the training set has {n} images; "
                                  f"set memory_bank_size to {n} (one bank row per training image)")
         if self._rng_to_restore is not None:  # resuming: this rank's global RNGs continue where they were saved
             ckpt.set_rng_states(self._rng_to_restore)
@@ -384,7 +395,7 @@ class MoCo(LightningModule):
             return m0
         total = self.trainer.estimated_stepping_batches
         if not math.isfinite(total):
-            raise ValueError("momentum_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
+            raise ConfigError("momentum_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
         return _cosine(step, total, m0, 1.0)
 
     # --- checkpoints ------------------------------------------------------------------------
@@ -405,9 +416,7 @@ class MoCo(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("moco_lightning")
         ckpt.check_format(meta, "MoCo")
-        structural = ("backbone", "cifar_stem", "in_channels", "width", "head", "dim", "hidden_dim", "queue_size",
-                      "predictor_hidden_dim", "dictionary", "memory_bank_size")
-        ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, structural, "MoCo")
+        ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, self.STRUCTURAL, "MoCo")
         self._rng_to_restore = ckpt.this_ranks_rng_states(meta)
 
     # --- validation / prediction: never enqueue, never move the key encoder -----------------
@@ -442,6 +451,13 @@ class MoCo(LightningModule):
         if self.trainer.train_dataloader is None:  # max_steps alone does not load it; the lr scaling needs it
             self.trainer.fit_loop.setup_data()
         lr = hp.lr * self._global_batch_size() / 256
+        per_device = self._global_batch_size() // (self.trainer.world_size * self.trainer.accumulate_grad_batches)
+        if self._shuffle == "split" and per_device % hp.bn_splits:  # here, before any callback runs an evaluation
+            raise ConfigError(
+                f"MoCo: bn_splits={hp.bn_splits} does not divide the per-device batch of {per_device} images (the "
+                f"training loader's batch_size, data.batch_size): split BatchNorm needs equal sub-batches; set "
+                f"model.bn_splits to a divisor of {per_device}, or data.batch_size to a multiple of {hp.bn_splits}"
+            )
         groups = [{"params": [p for p in decay if p.requires_grad], "weight_decay": hp.weight_decay},
                   {"params": [p for p in no_decay if p.requires_grad], "weight_decay": 0.0}]
         if hp.optimizer == "lars":  # lightly's update, host-sync free: no adaptation for the decay-free group, as v3
@@ -454,7 +470,7 @@ class MoCo(LightningModule):
         warmup = round(hp.warmup_epochs * steps_per_epoch)
         milestones = [m * steps_per_epoch for m in hp.lr_milestones]
         if hp.lr_schedule == "cosine" and not math.isfinite(total):
-            raise ValueError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
+            raise ConfigError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
 
         def factor(step: int) -> float:
             if step < warmup:
@@ -472,7 +488,7 @@ class MoCo(LightningModule):
         loader = self.trainer.train_dataloader
         batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
         if batch_size is None:
-            raise ValueError(
+            raise ConfigError(
                 "MoCo scales lr (given per 256 images) by the global batch size, but the training dataloader has no "
                 "batch_size attribute; use a torch DataLoader with batch_size set"
             )
@@ -492,7 +508,7 @@ def _projection_head(head: str, feature_dim: int, hidden_dim: int, dim: int) -> 
 def _freeze_patch_embedding(backbone: nn.Module) -> None:
     proj = getattr(backbone, "conv_proj", None)
     if not isinstance(proj, nn.Conv2d):
-        raise ValueError("MoCo: freeze_patch_embed=True needs a ViT backbone with a patch embedding 'conv_proj' "
+        raise ConfigError("MoCo: freeze_patch_embed=True needs a ViT backbone with a patch embedding 'conv_proj' "
                          "(torchvision's vit_* or moco_lightning.backbones.ViT)")
     proj.requires_grad_(False)
 
@@ -537,7 +553,7 @@ def _check_arguments(args: dict) -> None:
         except TypeError:
             valid = False
         if not valid:
-            raise ValueError(f"MoCo: {name}={value!r} is not allowed; {name} must be {allowed}")
+            raise ConfigError(f"MoCo: {name}={value!r} is not allowed; {name} must be {allowed}")
     if args["dictionary"] == "memory_bank" and (args["memory_bank_size"] < 1 or args["queue_size"] < 1):
-        raise ValueError("MoCo: dictionary='memory_bank' needs memory_bank_size = the number of training images and "
+        raise ConfigError("MoCo: dictionary='memory_bank' needs memory_bank_size = the number of training images and "
                          "queue_size >= 1 negatives sampled from the bank per step")

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.optim.optimizer import Optimizer
+from .errors import ConfigError
 
 
 class LARS(Optimizer):
@@ -30,7 +31,7 @@ class LARS(Optimizer):
     def __init__(self, params: Any, lr: float, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"LARS needs lr, momentum, weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
+            raise ConfigError(f"LARS needs lr, momentum, weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         trust_coefficient=trust_coefficient, eps=eps)
         super().__init__(params, defaults)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from .errors import ConfigError
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -32,7 +33,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         if not self.training or s == 1:
             return super().forward(x)
         if n % s != 0:
-            raise ValueError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
+            raise ConfigError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
         momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
@@ -56,7 +57,13 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
 
 def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
     """Replaces every BatchNorm2d in ``module`` by a SplitBatchNorm2d with the same parameters and buffers."""
-    if isinstance(module, nn.BatchNorm2d) and not isinstance(module, SplitBatchNorm2d):
+    if type(module) is not nn.BatchNorm2d and isinstance(module, nn.BatchNorm2d) and not isinstance(module, SplitBatchNorm2d):
+        raise ConfigError(
+            f"split BatchNorm: {type(module).__name__} is a BatchNorm2d subclass with behaviour of its own (timm's "
+            "BatchNormAct2d fuses an activation): it cannot be split; use a backbone with plain BatchNorm2d, or "
+            "shuffle_bn='off' (no protection against the BatchNorm shortcut) or 'ddp' on several devices"
+        )
+    if type(module) is nn.BatchNorm2d:
         split = SplitBatchNorm2d(module.num_features, num_splits, eps=module.eps, momentum=module.momentum,
                                  affine=module.affine, track_running_stats=module.track_running_stats)
         split.load_state_dict(module.state_dict())
@@ -67,4 +74,20 @@ def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
         return split.to(module.weight.device if module.affine else next(iter(module.buffers())).device)
     for name, child in module.named_children():
         setattr(module, name, convert_split_bn(child, num_splits))
+    return module
+
+
+def revert_split_bn(module: nn.Module) -> nn.Module:
+    """The inverse of :func:`convert_split_bn`: every SplitBatchNorm2d back to a BatchNorm2d with the same state."""
+    if isinstance(module, SplitBatchNorm2d):
+        plain = nn.BatchNorm2d(module.num_features, eps=module.eps, momentum=module.momentum, affine=module.affine,
+                               track_running_stats=module.track_running_stats)
+        plain.load_state_dict(module.state_dict())
+        plain.train(module.training)
+        if module.affine:
+            plain.weight.requires_grad_(module.weight.requires_grad)
+            plain.bias.requires_grad_(module.bias.requires_grad)
+        return plain.to(module.weight.device if module.affine else next(iter(module.buffers())).device)
+    for name, child in module.named_children():
+        setattr(module, name, revert_split_bn(child))
     return module

@@ -47,3 +47,21 @@ def test_any_module_feature_size_is_probed_and_bad_modules_are_explained():
         build_backbone(nn.Conv2d(3, 4, 3), image_size=8)
     with pytest.raises(ValueError, match="cifar_stem=True applies to ResNet-style backbones"):
         build_backbone("mobilenet_v3_small", cifar_stem=True)
+
+
+@pytest.mark.parametrize("name,kwargs,dim", [
+    ("timm:resnet10t", dict(in_channels=1, image_size=28, cifar_stem=True), 512),
+    ("timm:vit_tiny_patch16_224", dict(in_channels=1, image_size=32), 192),
+])
+def test_timm_backbones_build_with_random_weights_and_no_classifier(name, kwargs, dim):
+    model, feature_dim = build_backbone(name, **kwargs)
+    assert feature_dim == dim
+    x = torch.randn(2, kwargs["in_channels"], kwargs["image_size"], kwargs["image_size"])
+    assert model.eval()(x).shape == (2, dim)
+
+
+def test_timm_errors_name_the_model_and_the_fix():
+    with pytest.raises(ValueError, match="timm .* has no model 'resnet_does_not_exist'"):
+        build_backbone("timm:resnet_does_not_exist")
+    with pytest.raises(ValueError, match="width=0.5 applies to torchvision's resnetNN"):
+        build_backbone("timm:resnet10t", width=0.5)

@@ -8,8 +8,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args, cwd, timeout=240):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run(args, cwd, timeout=240, env=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -55,3 +55,97 @@ def test_v3_and_each_dictionary_train_through_the_cli(override, tmp_path):
                   "--data.init_args.val_subset=64"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached" in result.stderr + result.stdout
+
+
+def test_a_timm_backbone_trains_through_the_cli(tmp_path):
+    exe = Path(sys.executable).with_name("moco-lightning")
+    result = run([str(exe), "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.backbone=timm:resnet10t",
+                  "--model.width=1.0", "--model.cifar_stem=true", "--model.channels_last=false", "--trainer.fast_dev_run=2",
+                  "--trainer.callbacks=[]", "--data.init_args.batch_size=16", "--data.init_args.train_subset=64",
+                  "--data.init_args.val_subset=32"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in result.stderr + result.stdout
+
+
+RESUME_CONFIG = """
+trainer:
+  accelerator: cpu
+  max_steps: 6
+  max_epochs: 10
+  enable_progress_bar: false
+  enable_model_summary: false
+  num_sanity_val_steps: 0
+  limit_val_batches: 0
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {save_dir: runs, name: tiny}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {every_n_train_steps: 3, save_last: true, save_top_k: -1}
+model:
+  backbone: resnet18
+  width: 0.125
+  in_channels: 1
+  image_size: 28
+  hidden_dim: 32
+  dim: 16
+  queue_size: 256
+  bn_splits: 2
+data:
+  class_path: moco_lightning.datamodules.FashionMNISTDataModule
+  init_args: {batch_size: 16, train_subset: 64, val_subset: 16}
+"""
+
+
+def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
+    """No seed: only a real resume can leave run A's keys of steps 1-6 in the queue after step 9."""
+    import torch
+
+    (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG)
+    exe = str(Path(sys.executable).with_name("moco-lightning"))
+    fresh = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", "last"], cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert "--ckpt_path last: no last.ckpt under runs/tiny (version_*/checkpoints): starting a new run" in fresh.stderr
+    after_a = torch.load(tmp_path / "runs/tiny/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert after_a["global_step"] == 6
+    resumed = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "9"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming runs/tiny/version_0/checkpoints/last.ckpt" in resumed.stderr
+    assert sorted(p.name for p in (tmp_path / "runs/tiny").iterdir()) == ["version_0"]  # no new version_1
+    final = torch.load(tmp_path / "runs/tiny/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert final["global_step"] == 9
+    enqueued = final["state_dict"]["queue.enqueued_at"]
+    assert torch.equal(enqueued[: 6 * 16], after_a["state_dict"]["queue.enqueued_at"][: 6 * 16])
+    assert [int((enqueued == s).sum()) for s in range(1, 10)] == [16] * 9  # 16 keys of each of steps 1-9
+
+
+def test_resume_with_other_model_settings_errors_or_warns_naming_each(tmp_path):
+    (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 3"))
+    exe = str(Path(sys.executable).with_name("moco-lightning"))
+    assert run([exe, "fit", "--config", "cfg.yaml"], cwd=tmp_path).returncode == 0
+    ckpt = "runs/tiny/version_0/checkpoints/last.ckpt"
+    structural = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", ckpt, "--model.queue_size", "512",
+                      "--model.dim", "8"], cwd=tmp_path)
+    assert structural.returncode == 2
+    assert ("the checkpoint does not fit the configured model (dim: checkpoint 16, config 8; queue_size: checkpoint 256, "
+            "config 512)") in structural.stderr
+    assert "Traceback" not in structural.stderr
+    other = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", ckpt, "--model.temperature", "0.5",
+                 "--trainer.max_steps", "4"], cwd=tmp_path)
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "these configured values are ignored: temperature: config 0.5, checkpoint 0.2" in other.stderr
+
+
+def test_bad_settings_end_with_one_error_line_not_a_traceback(tmp_path):
+    bad = run([sys.executable, "-m", "moco_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+               "--model.temperature=-1", "--trainer.fast_dev_run=true"], cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-2] == (
+        "moco-lightning: error: MoCo: temperature=-1.0 is not allowed; temperature must be a number > 0")
+    debug = run([sys.executable, "-m", "moco_lightning", "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+                 "--model.temperature=-1"], cwd=tmp_path, env={"MOCO_LIGHTNING_DEBUG": "1"})
+    assert "Traceback" in debug.stderr
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    export = run([sys.executable, "-m", "moco_lightning", "export", "--ckpt", "notes.txt", "--out", "b.pt"], cwd=tmp_path)
+    assert export.returncode == 2 and "Traceback" not in export.stderr
+    assert "notes.txt is not a checkpoint: torch.load cannot read it" in export.stderr

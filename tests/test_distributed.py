@@ -207,18 +207,27 @@ def test_convert_split_bn_keeps_torchvision_state_dict_keys():
 def test_auto_shuffle_bn_is_split_on_one_device_and_key_shuffle_is_inverted(seeded):
     from conftest import tiny_data
 
+    checked = {}
+
+    class WhileFitting(Callback):  # split BN exists only while fitting (after fit: the user's BatchNorm2d again)
+        def on_train_end(self, trainer, model):
+            assert model._shuffle == "split" and isinstance(model.key_backbone[1], SplitBatchNorm2d)
+            # with BN in eval mode the shuffled key path equals the plain one: the permutation is inverted exactly
+            model.eval()
+            x = torch.randn(16, 1, 28, 28)
+            plain = model.key(x)
+            model.train()
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
+            torch.testing.assert_close(model.key(x), plain)
+            model.train()
+            checked["done"] = True
+
     model = tiny_moco(shuffle_bn="auto", bn_splits=4)
-    cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
-    assert model._shuffle == "split" and isinstance(model.key_backbone[1], SplitBatchNorm2d)
-    # with BN in eval mode the shuffled key path equals the plain one: the permutation is inverted exactly
-    model.eval()
-    x = torch.randn(16, 1, 28, 28)
-    plain = model.key(x)
-    model.train()
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.eval()
-    torch.testing.assert_close(model.key(x), plain)
+    cpu_trainer(max_steps=1, limit_val_batches=0, callbacks=[WhileFitting()]).fit(model, tiny_data())
+    assert checked == {"done": True}
+    assert type(model.key_backbone[1]) is nn.BatchNorm2d
 
 
 def test_ddp_shuffle_on_one_process_is_a_clear_error(seeded):

@@ -333,3 +333,39 @@ def test_imagenet_configs_instantiate(tmp_path, monkeypatch, config, preset, hea
     assert hp.lr_schedule == ("cosine" if preset == "moco_v2" else "step")
     if preset == "moco_v1":
         assert list(hp.lr_milestones) == [120, 160]
+
+
+def test_error_names_every_unreadable_file_of_the_split(tmp_path):
+    corrupt_tree(tmp_path)
+    dm = ImageFolderDataModule(str(tmp_path), batch_size=14, image_size=16, num_workers=0)
+    dm.setup()
+    with pytest.raises(BadImageError) as caught:
+        next(iter(dm.train_dataloader()))
+    message = str(caught.value)
+    assert "cat/truncated.jpg: cannot be read" in message and "dog/corrupt.jpg: cannot be read" in message
+    assert "2 unreadable of the 14 files of this split" in message
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_skipped_images_are_replaced_within_their_class_and_warned_once(tmp_path, workers):
+    """A bad file that is the last of its class must not be replaced by the next class's first image under the bad
+    file's label: the stand-in comes from the same class, in the kNN bank and in linear evaluation too."""
+    write_tree(tmp_path, n_per_class=3, splits=("train",))
+    bad = tmp_path / "train" / "cat" / "nested" / "2.png"  # the last file of the first class
+    bad.write_bytes(b"not a jpeg")
+    dm = ImageFolderDataModule(str(tmp_path), batch_size=6, image_size=16, num_workers=workers, skip_bad_images=True,
+                               augment_on="workers")
+    dm.setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for loader in (dm.train_dataloader(), dm.eval_train_dataloader()):
+            for _ in loader:
+                pass
+    eval_ds = dm._eval_splits["train"]
+    i = eval_ds.paths.index(str(bad))
+    image, target, _ = eval_ds[i]
+    same_class = [j for j in range(len(eval_ds)) if eval_ds.targets[j] == target and j != i]
+    assert any(torch.equal(image, eval_ds[j][0]) for j in same_class)  # a readable image of its own class
+    assert dm.bad_images == [str(bad)]
+    if workers == 0:
+        assert len([w for w in caught if "skip_bad_images" in str(w.message)]) == 1  # one warning per run

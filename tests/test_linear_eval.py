@@ -199,3 +199,21 @@ def test_command_line_with_the_config_on_fashion_mnist(resnet_checkpoint, tmp_pa
          "--data.init_args.val_subset=8")
     saved = (tmp_path / "config.yaml").read_text()
     assert "FashionMNISTDataModule" in saved and "pretrain: false" in saved and "lr: 30.0" in saved
+
+
+def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tmp_path):
+    """The quickstart's width-0.5 ResNet-18, exported as a plain state dict, rebuilt by the same backbone arguments."""
+    from conftest import cpu_trainer, tiny_data
+    from moco_lightning import MoCo
+    from moco_lightning.export import export_backbone
+
+    moco = MoCo(backbone="resnet18", width=0.5, in_channels=1, image_size=28, queue_size=16, hidden_dim=32, dim=8)
+    t = cpu_trainer(max_steps=1, limit_val_batches=0)
+    t.fit(moco, tiny_data())
+    t.save_checkpoint(tmp_path / "moco.ckpt")
+    exported = export_backbone(tmp_path / "moco.ckpt", tmp_path / "backbone.pt")
+    model = LinearClassifier(backbone="resnet18", width=0.5, in_channels=1, image_size=28,
+                             backbone_state_dict=str(exported), num_classes=10)
+    assert model.feature_dim == 256
+    saved = torch.load(exported)
+    assert all(torch.equal(v, saved[k]) for k, v in model.backbone.state_dict().items())

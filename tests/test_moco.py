@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -379,8 +380,6 @@ def test_half_precision_weights_are_refused_with_the_reason(precision):
 
 def test_no_host_copy_of_the_key_shuffle_permutation(seeded, monkeypatch):
     """The shuffle permutation is drawn on the batch's device: nothing drawn on the CPU is copied over."""
-    model = tiny_moco(shuffle_bn="split", bn_splits=4)
-    cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
     devices = []
     original = torch.randperm
 
@@ -388,7 +387,43 @@ def test_no_host_copy_of_the_key_shuffle_permutation(seeded, monkeypatch):
         devices.append((kwargs.get("device"), kwargs["generator"].device))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "randperm", recording)
-    model.train()
-    model.key(torch.randn(16, 1, 28, 28))
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            monkeypatch.setattr(torch, "randperm", recording)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            monkeypatch.undo()
+
+    model = tiny_moco(shuffle_bn="split", bn_splits=4)
+    cpu_trainer(max_steps=1, limit_val_batches=0, callbacks=[Record()]).fit(model, tiny_data())
     assert devices == [(torch.device("cpu"), torch.device("cpu"))]  # the batch's device (here the CPU), both
+
+
+def test_after_fit_the_backbone_is_the_users_again_and_extracts_features(seeded):
+    """README: ``model.eval(); features = model(images)`` after fit, for any batch size; split BN only while fitting."""
+    from moco_lightning.split_bn import SplitBatchNorm2d
+
+    model = tiny_moco(shuffle_bn="split", bn_splits=4)
+    types = {name: type(m) for name, m in model.backbone.named_modules()}
+    keys = set(model.state_dict())
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(model, tiny_data())
+    assert {name: type(m) for name, m in model.backbone.named_modules()} == types
+    assert not any(isinstance(m, SplitBatchNorm2d) for m in model.modules())
+    assert set(model.state_dict()) == keys
+    model.eval()
+    before = {k: v.clone() for k, v in model.backbone.state_dict().items()}
+    features = model(torch.randn(5, 1, 28, 28))  # 5 does not split into 4 sub-batches
+    assert features.shape == (5, 16)
+    assert all(torch.equal(before[k], v) for k, v in model.backbone.state_dict().items())  # running stats untouched
+    cpu_trainer(max_steps=3, limit_val_batches=0).fit(model, tiny_data())  # and it can be fitted again
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.backbone.modules())
+
+
+def test_bn_splits_not_dividing_the_batch_fails_at_fit_start_naming_both_fields(seeded):
+    from moco_lightning.callbacks import KNNMonitor
+
+    monitor = KNNMonitor()
+    with pytest.raises(ValueError, match=r"bn_splits=8 does not divide the per-device batch of 20 images .*data.batch_size"):
+        cpu_trainer(max_steps=1, limit_val_batches=0, callbacks=[monitor]).fit(
+            tiny_moco(shuffle_bn="split", bn_splits=8), tiny_data(batch_size=20))
+    assert monitor.history == []  # before the kNN baseline, not after it

@@ -55,3 +55,56 @@ def test_without_tensorboard_they_warn_and_do_nothing(seeded, tmp_path, logger_k
     with pytest.warns(UserWarning, match="TensorBoardLogger"):
         trainer(max_steps=2, logger=logger, callbacks=[ViewGrid(), EmbeddingProjector()]).fit(TinyNet(), datamodule=ToyData())
     assert not list(tmp_path.rglob("projector_config.pbtxt"))
+
+
+def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, tmp_path):
+    """The real client: ``tensorboard`` started on a short MoCo run's folder (bounded wait, stopped by its PID)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from moco_lightning.callbacks import LinearProbe, RepresentationDiagnostics
+
+    callbacks = [ViewGrid(n_images=4), EmbeddingProjector(n_samples=20), KNNMonitor(k=10), LinearProbe(),
+                 RepresentationDiagnostics(every_n_steps=1)]
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    cpu_trainer(max_epochs=1, logger=logger, callbacks=callbacks, log_every_n_steps=1, limit_val_batches=0).fit(
+        tiny_moco(), tiny_data())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("tensorboard")
+    server = subprocess.Popen([str(exe), "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port),
+                               "--load_fast", "false", "--reload_interval", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def get(path: str):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return json.loads(r.read())
+
+    try:
+        wanted = {"train/loss", "val/knn_acc1", "val/probe_acc1", "diag/alignment", "diag/uniformity", "diag/queue_age"}
+        deadline, scalars = time.monotonic() + 120, {}
+        while time.monotonic() < deadline:
+            try:
+                scalars = get("/data/plugin/scalars/tags").get("run/version_0", {})
+                if wanted <= set(scalars):
+                    break
+            except OSError:  # not listening yet
+                pass
+            assert server.poll() is None, "tensorboard exited"
+            time.sleep(1)
+        assert wanted <= set(scalars), sorted(scalars)
+        assert "train/views" in get("/data/plugin/images/tags")["run/version_0"]
+        assert "run/version_0" in get("/data/plugin/projector/runs")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
