@@ -37,9 +37,16 @@ def worker(rank: int, port: int, queue_size: int, steps: int, out: "mp.Queue") -
     x = torch.randn(32, 1, 28, 28)
     results = {}
     for label, ignore in (("queue excluded (moco-lightning)", True), ("queue broadcast (DDP default)", False)):
-        model = MoCo(backbone=backbone, in_channels=1, image_size=28, queue_size=queue_size, dim=128, hidden_dim=64, shuffle_bn="off")
-        if not ignore:
-            model._ddp_params_and_buffers_to_ignore = []
+        cls = MoCo if ignore else type("Broadcast", (MoCo,), {"_ddp_params_and_buffers_to_ignore": []})
+        model = cls(
+            backbone=backbone,
+            in_channels=1,
+            image_size=28,
+            queue_size=queue_size,
+            dim=128,
+            hidden_dim=64,
+            shuffle_bn="off",
+        )
         model.projection_head.requires_grad_(False)  # forward(x) is the backbone: DDP must not wait for head grads
         ddp = DistributedDataParallel(model)
         times = []
@@ -69,16 +76,23 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, port, args.queue_size, args.steps, out)) for r in range(2)]
     for p in procs:
         p.start()
-    try:
-        results = out.get(timeout=900)  # a crashed worker must not hang the script
-    except Exception:
-        for p in procs:
-            p.kill()
-        raise SystemExit("a worker failed (see its traceback above)")
+    import queue
+
+    results, deadline = None, time.monotonic() + 900
+    while results is None:  # a crashed worker must not hang the script
+        try:
+            results = out.get(timeout=2)
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit("a worker failed (see its traceback above)") from None
     for p in procs:
         p.join()
     mib = args.queue_size * 128 * 4 / 2**20
-    print(f"DDP, 2 processes, gloo, CPU; queue {args.queue_size} x 128 fp32 = {mib:.0f} MiB; median of {args.steps} steps")
+    print(
+        f"DDP, 2 processes, gloo, CPU; queue {args.queue_size} x 128 fp32 = {mib:.0f} MiB; median of {args.steps} steps"
+    )
     base = results["queue excluded (moco-lightning)"]
     for label, t in results.items():
         print(f"  {label:34s} {1000 * t:8.2f} ms/step   x{t / base:.2f}")

@@ -39,7 +39,7 @@ SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
 
 
 def synthetic_datamodule(size: dict, channels: int = 3):
-    from moco_lightning.datamodules import InMemoryDataModule
+    from moco_lightning.datamodules import InMemoryDataModule, view_settings
 
     class Synthetic(InMemoryDataModule):
         num_classes, in_channels = 10, channels
@@ -48,17 +48,27 @@ def synthetic_datamodule(size: dict, channels: int = 3):
         def load_split(self, split: str):
             g = torch.Generator().manual_seed(0 if split == "train" else 1)
             n = size["images"] if split == "train" else size["batch"] * 2
-            return torch.randint(0, 256, (n, channels, size["image"], size["image"]), generator=g, dtype=torch.uint8), \
-                torch.randint(0, 10, (n,), generator=g)
+            return torch.randint(
+                0, 256, (n, channels, size["image"], size["image"]), generator=g, dtype=torch.uint8
+            ), torch.randint(0, 10, (n,), generator=g)
 
-    return Synthetic(batch_size=size["batch"], image_size=size["image"])
+    return Synthetic(view_settings("moco_v2", size["image"]), batch_size=size["batch"], image_size=size["image"])
 
 
 def moco(size: dict, **kw):
     from moco_lightning import MoCo
 
-    args = dict(backbone="resnet18", width=size["width"], cifar_stem=True, image_size=size["image"], queue_size=size["queue"],
-                momentum=0.99, lr=0.06, channels_last=True, hidden_dim=512)
+    args = dict(
+        backbone="resnet18",
+        width=size["width"],
+        cifar_stem=True,
+        image_size=size["image"],
+        queue_size=size["queue"],
+        momentum=0.99,
+        lr=0.06,
+        channels_last=True,
+        hidden_dim=512,
+    )
     args.update(kw)
     return MoCo(**args)
 
@@ -66,9 +76,19 @@ def moco(size: dict, **kw):
 def trainer(device: str, steps: int, **kw):
     from lightning.pytorch import Trainer
 
-    args = dict(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                limit_val_batches=0, precision="bf16-mixed")
+    args = dict(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        max_steps=steps,
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        precision="bf16-mixed",
+    )
     args.update(kw)
     return Trainer(**args)
 
@@ -85,8 +105,10 @@ def check_fit(device: str, size: dict) -> str:
     model = moco(size)
     t = time.perf_counter()
     trainer(device, size["steps"], callbacks=[Look()]).fit(model, synthetic_datamodule(size))
-    return (f"{size['steps']} steps in {time.perf_counter() - t:.1f} s; views on {seen['views']}, loss {seen['loss']}, "
-            f"queue {model.queue.keys.dtype} on {model.queue.keys.device.type}, ptr {int(model.queue.ptr)}")
+    return (
+        f"{size['steps']} steps in {time.perf_counter() - t:.1f} s; views on {seen['views']}, loss {seen['loss']}, "
+        f"queue {model.queue.keys.dtype} on {model.queue.keys.device.type}, ptr {int(model.queue.ptr)}"
+    )
 
 
 def check_syncs(device: str, size: dict) -> str:
@@ -122,7 +144,9 @@ def check_split_bn(device: str, size: dict) -> str:
 
     from moco_lightning.split_bn import SplitBatchNorm2d
 
-    x = torch.randn(size["batch"], 64, size["image"], size["image"], device=device).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(size["batch"], 64, size["image"], size["image"], device=device).contiguous(
+        memory_format=torch.channels_last
+    )
     out = []
     for bn in (SplitBatchNorm2d(64, 8).to(device), nn.BatchNorm2d(64).to(device)):
         bn(x)
@@ -167,7 +191,9 @@ def check_knn_memory(device: str, size: dict) -> str:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        acc = knn_accuracy(nn.Identity(), bank, queries, num_classes=1000, device=torch.device(device), bank_dtype=dtype)
+        acc = knn_accuracy(
+            nn.Identity(), bank, queries, num_classes=1000, device=torch.device(device), bank_dtype=dtype
+        )
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
         out.append(f"{str(dtype)[6:]} peak {peak:.2f} GiB, {time.perf_counter() - t:.1f} s, acc1 {acc['acc1']:.3f}")
     return f"bank {n} x {d}: " + "; ".join(out)
@@ -186,13 +212,19 @@ def check_checkpoint(device: str, size: dict) -> str:
         rng_device = loaded._rng_to_restore["torch"].device.type if loaded._rng_to_restore else "none"
         resumed = moco(size)
         trainer(device, 4).fit(resumed, synthetic_datamodule(size), ckpt_path=path)
-        return (f"loaded with map_location={device!r} (RNG state tensors on {rng_device}); resumed from step 2 to step "
-                f"{int(resumed.queue.enqueued_at.max())}")
+        return (
+            f"loaded with map_location={device!r} (RNG state tensors on {rng_device}); resumed from step 2 to step "
+            f"{int(resumed.queue.enqueued_at.max())}"
+        )
 
 
 CHECKS: dict[str, Callable[[str, dict], str]] = {
-    "fit": check_fit, "syncs": check_syncs, "split_bn": check_split_bn, "bf16_logits": check_bf16_logits,
-    "knn_memory": check_knn_memory, "checkpoint": check_checkpoint,
+    "fit": check_fit,
+    "syncs": check_syncs,
+    "split_bn": check_split_bn,
+    "bf16_logits": check_bf16_logits,
+    "knn_memory": check_knn_memory,
+    "checkpoint": check_checkpoint,
 }
 
 

@@ -1,405 +1,329 @@
-"""Representation quality for a fixed wall-clock budget: moco-lightning vs the lightly-examples reference.
+"""Representation quality for a fixed training wall-clock budget, for configs of ``configs/`` and the reference.
 
-    python benchmarks/quality.py                              # 10 min of training per system (~30 min in all)
-    python benchmarks/quality.py --minutes 30 --out runs/quality30.png
-    python benchmarks/quality.py --minutes 1 --eval-subset 2000 --probe-epochs 3 --out /tmp/q.png   # smoke run
+    python benchmarks/quality.py --minutes 10 --systems quickstart fashion_mnist_10min reference
+    python benchmarks/quality.py --minutes 30 --systems fashion_mnist_30min --out benchmarks/results/quality_30min.png
+    python benchmarks/quality.py --minutes 0.2 --systems quickstart reference --eval-subset 2000 --probe-epochs 2 \\
+        --out /tmp/q.png                                                                      # a smoke run, minutes
 
-For each system (ours: ``MoCo`` + ``FashionMNISTDataModule``; reference: the lightly-examples MoCo of
-``_common.make_reference`` with lightly's per-image ``MoCoV2Transform`` in DataLoader workers; same backbone,
-head, batch, K, m, T, lr, weight decay and augmentation strength, same initial weights):
+A system is a config name (``configs/<name>.yaml``, model and data as the CLI builds them, ``--override``s added) or
+``reference``: the lightly-examples MoCo of ``_common.make_reference`` with the quickstart's model settings, lightly's
+per-image ``MoCoV2Transform`` in DataLoader workers (the faster of ``--ref-workers``). For each system:
 
-1. speed: a short throwaway run measures seconds per step (for the reference, with each of ``--ref-workers``;
-   the fastest is used), not counted in the budget;
-2. plan: ``steps = budget / (s/step)``, i.e. ``steps / steps_per_epoch`` epochs; the cosine lr schedule of both
-   systems spans exactly these steps (ours: ``lr_schedule='cosine'`` over ``trainer.estimated_stepping_batches``;
-   the reference: ``CosineAnnealingLR(T_max=steps)``);
-3. train under a plain ``lightning.pytorch`` Trainer; a callback keeps the training clock (evaluation pauses it),
-   stops at the budget if the plan was optimistic, and runs the kNN monitor at ``--curve-points`` evenly spaced
-   steps (bank: ``--curve-bank`` train images, queries: ``--curve-queries`` test images, evaluation transform);
-4. final evaluation of the backbone features: weighted kNN top-1 (k=200, T=0.1, cosine; the library's
-   ``knn_counts``; bank = the train split with the evaluation transform, queries = the official 10k test split)
-   and a linear probe (a linear layer on frozen, standardised features of the train split, Adam, cosine lr,
-   ``--probe-epochs`` epochs, evaluated on the test split).
+1. speed: a throwaway run times seconds per step (not counted in the budget);
+2. plan: ``steps = budget / (s/step)``; the cosine lr schedule spans exactly these steps;
+3. train; a callback keeps the training clock (evaluations pause it), stops at the budget if the plan was
+   optimistic, and evaluates the kNN at ``--curve-points`` steps on a small fixed set;
+4. evaluate the frozen backbone: weighted kNN top-1 (k 200, T 0.1, cosine: the library's ``knn_counts``) and a
+   linear probe (the library's ``probe_accuracy``: standardised features, Adam, ``--probe-epochs``).
 
-Baselines with the same evaluation: raw normalised pixels (kNN on the 784 pixel values; ~85.8 % on the full
-split) and the randomly initialised encoder. Output: a table, ``--out`` (PNG: kNN top-1 against training wall
-time, both systems) and a CSV next to it (every curve point and the final numbers).
+``--split test`` (default): pretraining on the 60k train images, kNN bank / probe training = the 60k train images
+with the evaluation transform, queries = the official 10k test split. ``--split val`` (what recipes are selected on,
+never the test split): pretraining, bank and probe training on the first 50k train images, queries = the last 10k.
+Baselines with the same evaluation: raw normalised pixels and the randomly initialised encoder (of the first config).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    FASHION_MEAN, FASHION_STD, FeatureExtractor, StepClock, add_model_args, describe_model, fashion_mnist, footer,
-    header, make_reference, moco_kwargs, print_table, quiet, reference_loader, trainer_kwargs,
+    StepClock,
+    config_path,
+    evaluate,
+    fashion_mnist,
+    features,
+    footer,
+    from_config,
+    header,
+    knn_top1,
+    make_reference,
+    print_table,
+    quiet,
+    reference_loader,
+    trainer_kwargs,
 )
 
-K_NN, T_NN, NUM_CLASSES = 200, 0.1, 10
 
+# --- the evaluation sets -------------------------------------------------------------------------------------
+class Splits:
+    """Pretraining images, the final bank and queries, and the curve's small bank and queries of one ``--split``."""
 
-# --- evaluation ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def eval_mode(module: nn.Module) -> Iterator[None]:
-    modes = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
-
-
-def eval_loader(images: Tensor, labels: Tensor, batch_size: int = 512) -> DataLoader:
-    """The evaluation transform (normalise only), as the datamodules' ``eval_*_dataloader``."""
-    from moco_lightning.datamodules import ImageTensorDataset, NormalizeCollate
-
-    return DataLoader(ImageTensorDataset(images, labels), batch_size=batch_size,
-                      collate_fn=NormalizeCollate(FASHION_MEAN, FASHION_STD, 28))
-
-
-@torch.no_grad()
-def raw_features(module: nn.Module, images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Unnormalised features of ``module`` (eval mode, no grad) for the images, with the library's ``embed``."""
-    from moco_lightning.callbacks._utils import embed
-
-    return embed(module, eval_loader(images, labels), torch.device("cpu"), gather=False, normalize=False)
-
-
-def knn_top1(bank: Tensor, bank_y: Tensor, queries: Tensor, queries_y: Tensor) -> float:
-    from moco_lightning.callbacks.knn import knn_counts
-
-    counts = knn_counts(F.normalize(queries, dim=1), queries_y, F.normalize(bank, dim=1), bank_y, NUM_CLASSES,
-                        k=K_NN, temperature=T_NN, topk=(1,))
-    return counts[0].item() / counts[1].item()
-
-
-def knn_of(module: nn.Module, bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor]) -> float:
-    """kNN top-1 with the library's ``knn_accuracy`` (what the ``KNNMonitor`` callback runs)."""
-    from moco_lightning.callbacks.knn import knn_accuracy
-
-    return knn_accuracy(module, eval_loader(*bank), eval_loader(*queries), num_classes=NUM_CLASSES, k=K_NN,
-                        temperature=T_NN, device=torch.device("cpu"))["acc1"]
-
-
-def linear_probe(train_f: Tensor, train_y: Tensor, test_f: Tensor, test_y: Tensor, epochs: int, seed: int) -> float:
-    """Top-1 on the test features of a linear layer trained on standardised frozen train features."""
-    mean, std = train_f.mean(0), train_f.std(0) + 1e-6
-    tr, te = (train_f - mean) / std, (test_f - mean) / std
-    g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        lin = nn.Linear(tr.shape[1], NUM_CLASSES)
-    bs = 256
-    steps = max(1, epochs * math.ceil(len(tr) / bs))
-    opt = torch.optim.Adam(lin.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
-    with torch.enable_grad():
-        for _ in range(epochs):
-            perm = torch.randperm(len(tr), generator=g)
-            for i in range(0, len(tr), bs):
-                idx = perm[i:i + bs]
-                loss = F.cross_entropy(lin(tr[idx]), train_y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-    with torch.no_grad():
-        return (lin(te).argmax(1) == test_y).float().mean().item()
-
-
-class Evaluator:
-    """The fixed evaluation sets: the curve's (small, during training) and the final one."""
-
-    def __init__(self, args, train: tuple[Tensor, Tensor], test: tuple[Tensor, Tensor]) -> None:
-        self.args = args
-        self.final_bank = (train[0][:args.eval_bank], train[1][:args.eval_bank])
-        self.final_queries = (test[0][:args.eval_queries], test[1][:args.eval_queries])
-        self.curve_bank = (train[0][:args.curve_bank], train[1][:args.curve_bank])
-        self.curve_queries = (test[0][:args.curve_queries], test[1][:args.curve_queries])
+    def __init__(self, split: str, eval_subset: Optional[int], curve_bank: int, curve_queries: int) -> None:
+        train = fashion_mnist("train")
+        if split == "val":
+            self.pretrain = (train[0][:50000], train[1][:50000])
+            queries = (train[0][50000:], train[1][50000:])
+        else:
+            self.pretrain, queries = train, fashion_mnist("test")
+        n_bank, n_q = (
+            (eval_subset, max(100, eval_subset // 4)) if eval_subset else (len(self.pretrain[1]), len(queries[1]))
+        )
+        self.bank = tuple(t[:n_bank] for t in self.pretrain)
+        self.queries = tuple(t[:n_q] for t in queries)
+        self.curve_bank = tuple(t[: min(curve_bank, n_bank)] for t in self.pretrain)
+        self.curve_queries = tuple(t[: min(curve_queries, n_q)] for t in queries)
+        self.split = split
 
     def curve(self, module: nn.Module) -> float:
-        return knn_of(module, self.curve_bank, self.curve_queries)
-
-    def final(self, module: nn.Module) -> dict:
-        t = time.perf_counter()
-        bank_f, bank_y = raw_features(module, *self.final_bank)
-        q_f, q_y = raw_features(module, *self.final_queries)
-        out = {"knn_top1": knn_top1(bank_f, bank_y, q_f, q_y),
-               "probe_top1": linear_probe(bank_f, bank_y, q_f, q_y, self.args.probe_epochs, self.args.seed),
-               "feature_dim": bank_f.shape[1]}
-        out["eval_s"] = time.perf_counter() - t
-        return out
+        return knn_top1(*features(module, *self.curve_bank), *features(module, *self.curve_queries))
 
 
-# --- the two systems ------------------------------------------------------------------------------------------
+# --- a system: build, time, fit under the budget ---------------------------------------------------------------
 class System:
-    """How to build, fit and evaluate one system."""
+    """A config (or the reference) trained for ``steps`` with a cosine lr over exactly those steps."""
 
-    def __init__(self, name: str, args, train: tuple[Tensor, Tensor]) -> None:
-        self.name, self.args, self.train = name, args, train
-        self.workers = 0
+    def __init__(self, name: str, args, splits: Splits, config: Optional[str] = None, overrides: tuple = ()) -> None:
+        self.name, self.args, self.splits, self.workers = name, args, splits, 0
+        self.config = config or name  # a config name, or "reference"
+        self.overrides = (*args.override, *overrides)
 
     def build(self, total_steps: int):
-        torch.manual_seed(self.args.seed)  # same initial encoder weights for both systems
-        if self.name == "ours":
-            from moco_lightning import MoCo
-            from moco_lightning.datamodules import FashionMNISTDataModule
+        torch.manual_seed(self.args.seed)  # the same initial weights for every system with the same backbone
+        if self.config == "reference":  # with the model settings of the first quickstart (fashion_mnist_moco_v2)
+            model, _ = from_config(config_path("fashion_mnist_moco_v2"), *self.overrides)
+            ref = make_reference(model.hparams, self.batch_size(), total_steps)
+            loader = reference_loader(*self.splits.pretrain, self.batch_size(), self.workers, seed=self.args.seed)
+            return ref, {"train_dataloaders": loader}
+        n = len(self.splits.pretrain[1])
+        subset = (f"--data.init_args.train_subset={n}", "--data.init_args.val_subset=256")
+        model, dm = from_config(config_path(self.config), *self.overrides, *subset)
+        return model, {"datamodule": dm}
 
-            model = MoCo(**moco_kwargs(self.args))
-            dm = FashionMNISTDataModule(data_dir=self.args.data_dir, batch_size=self.args.batch_size, num_workers=0,
-                                        seed=self.args.seed, val_subset=self.args.batch_size)
-            return model, model, {"datamodule": dm}
-        model = make_reference(self.args, total_steps=total_steps, channels_last=self.args.ref_channels_last)
-        loader = reference_loader(*self.train, self.args.batch_size, self.workers, self.args.seed)
-        return model, FeatureExtractor(model), {"train_dataloaders": loader}
+    def batch_size(self) -> int:
+        if not hasattr(self, "_batch_size"):
+            config = "fashion_mnist_moco_v2" if self.config == "reference" else self.config
+            self._batch_size = from_config(config_path(config), *self.overrides)[1].batch_size
+        return self._batch_size
 
-    def fit(self, max_steps: int, callbacks: list, total_steps: Optional[int] = None) -> tuple[nn.Module, nn.Module]:
+    def fit(self, steps: int, callbacks: list, total_steps: Optional[int] = None) -> nn.Module:
         import lightning.pytorch as pl
 
-        model, features, data = self.build(total_steps or max_steps)
-        spe = len(self.train[1]) // self.args.batch_size
-        with tempfile.TemporaryDirectory() as tmp:
-            kw = trainer_kwargs(max_steps, self.args.logger, tmp, callbacks, max_epochs=max(1, math.ceil(max_steps / spe)))
-            pl.Trainer(**kw).fit(model, **data)
-        return model, features
+        model, data = self.build(total_steps or steps)
+        pl.Trainer(**trainer_kwargs(steps, callbacks)).fit(model, **data)
+        return model
 
-    def seconds_per_step(self, warmup: int, steps: int) -> float:
+    def seconds_per_step(self) -> float:
+        """Wall time per step of a throwaway run: ``--timing-steps`` timed after ``--timing-warmup``."""
+        warmup, steps = self.args.timing_warmup, self.args.timing_steps
         clock = StepClock()
         self.fit(warmup + steps, [clock])
         return clock.seconds(warmup, steps) / steps
 
 
-class Budget:
-    """Lightning callback: the training clock (evaluations excluded), the kNN curve, the stop at the budget."""
+def budget_callback(budget_s: float, eval_steps: set, evaluate_fn: Callable[[nn.Module], float], name: str):
+    """The training clock (evaluations excluded), the kNN curve, the stop at the budget."""
+    from lightning.pytorch import Callback
 
-    def __new__(cls, *a, **k):
-        from lightning.pytorch import Callback
+    class Budget(Callback):
+        def __init__(self) -> None:
+            self.train_s, self.curve, self.stopped_at_budget = 0.0, [], False
 
-        class _Budget(Callback):
-            def __init__(self, budget_s: float, eval_steps: set, evaluate: Callable[[nn.Module], float], spe: int, name: str) -> None:
-                self.budget_s, self.eval_steps, self.evaluate, self.spe, self.name = budget_s, eval_steps, evaluate, spe, name
-                self.train_s, self.curve, self.stopped_at_budget, self.eval_total = 0.0, [], False, 0.0
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.last = time.perf_counter()
 
-            def on_train_start(self, trainer, pl_module) -> None:
-                self.last = time.perf_counter()
-
-            def _point(self, pl_module, step: int) -> None:
-                t = time.perf_counter()
-                acc = self.evaluate(pl_module)
-                self.eval_total += time.perf_counter() - t
-                self.curve.append((self.train_s, step, step / self.spe, acc))
-                print(f"    [{self.name}] step {step:5d} (epoch {step / self.spe:5.2f}), {self.train_s:6.1f} s of training: "
-                      f"kNN top-1 {100 * acc:5.2f} % (curve set; eval {time.perf_counter() - t:.1f} s)", flush=True)
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                self.train_s += time.perf_counter() - self.last
-                step = trainer.global_step
-                if self.train_s >= self.budget_s and not trainer.should_stop:
-                    trainer.should_stop = True
-                    self.stopped_at_budget = True
-                if step in self.eval_steps or trainer.should_stop:
-                    self._point(pl_module, step)
-                self.last = time.perf_counter()
-
-            def on_train_end(self, trainer, pl_module) -> None:
-                if not self.curve or self.curve[-1][1] != trainer.global_step:
-                    self._point(pl_module, trainer.global_step)
-
-        return _Budget(*a, **k)
-
-
-# --- main -------------------------------------------------------------------------------------------------------
-def pick_threads(args) -> None:
-    """``--threads 0``: time a training step of the backbone with 1 thread and with every core (interleaved, twice)
-    and keep the faster for the whole run (both systems). On a shared machine with other jobs running, several
-    OpenMP threads wait for each other and one thread can be several times faster; on a free one, all cores win."""
-    import os
-
-    from moco_lightning.backbones import build_backbone
-
-    cores = os.cpu_count() or 1
-    if args.threads or cores == 1:
-        return
-    torch.manual_seed(args.seed)
-    bb, _ = build_backbone(args.backbone, args.cifar_stem, 1, 28, args.width)
-    x = torch.randn(args.batch_size, 1, 28, 28)
-    if args.channels_last:
-        bb, x = bb.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-
-    def step() -> None:
-        bb.zero_grad(set_to_none=True)
-        bb(x).square().mean().backward()
-
-    times = {1: [], cores: []}
-    for _ in range(2):
-        for n in times:
-            torch.set_num_threads(n)
-            step()
+        def point(self, pl_module, step: int) -> None:
             t = time.perf_counter()
-            step()
-            times[n].append(time.perf_counter() - t)
-    best = min(times, key=lambda n: min(times[n]))
-    torch.set_num_threads(best)
-    args.threads = best
-    print("threads: " + ", ".join(f"{n} thread(s) {min(v):.2f} s/step" for n, v in times.items())
-          + f" (backbone forward+backward) -> {best} thread(s) for the whole run\n", flush=True)
+            acc = evaluate_fn(pl_module)
+            self.curve.append((self.train_s, step, acc))
+            print(
+                f"    [{name}] step {step:5d}, {self.train_s:6.1f} s of training: kNN top-1 {100 * acc:5.2f} % "
+                f"(curve set; eval {time.perf_counter() - t:.1f} s)",
+                flush=True,
+            )
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.train_s += time.perf_counter() - self.last
+            if self.train_s >= budget_s and not trainer.should_stop:
+                trainer.should_stop = self.stopped_at_budget = True
+            if trainer.global_step in eval_steps or trainer.should_stop:
+                self.point(pl_module, trainer.global_step)
+            self.last = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if not self.curve or self.curve[-1][1] != trainer.global_step:
+                self.point(pl_module, trainer.global_step)
+
+    return Budget()
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    add_model_args(p, threads=0, threads_help="torch intra-op threads (default 0: time a backbone step with 1 thread and "
-                   "with all cores first and keep the faster for the whole run, both systems)")
-    p.add_argument("--data-dir", default=None, help="folder of the Fashion-MNIST IDX files (default: Debian's)")
-    p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget per system")
-    p.add_argument("--systems", nargs="+", choices=["ours", "reference"], default=["ours", "reference"])
-    p.add_argument("--curve-points", type=int, default=5, help="kNN evaluations during training (plus step 0 and the end)")
-    p.add_argument("--curve-bank", type=int, default=10000, help="train images in the bank of the curve's kNN")
-    p.add_argument("--curve-queries", type=int, default=2000, help="test images classified for the curve's kNN")
-    p.add_argument("--eval-bank", type=int, default=60000, help="train images in the final kNN bank / probe training set")
-    p.add_argument("--eval-queries", type=int, default=10000, help="test images of the final kNN / probe")
-    p.add_argument("--eval-subset", type=int, default=None,
-                   help="smoke runs: bank sizes = N, query counts = N // 4 (overrides the four options above)")
-    p.add_argument("--probe-epochs", type=int, default=20, help="epochs of the final linear probe")
-    p.add_argument("--speed-steps", type=int, default=8, help="timed steps of the speed measurement (after 3 warm-up)")
-    p.add_argument("--ref-workers", type=int, nargs="+", default=[0, 2], help="reference DataLoader workers to try")
-    p.add_argument("--ref-channels-last", action="store_true", help="run the reference in channels-last too")
-    p.add_argument("--logger", choices=["tensorboard", "csv", "none"], default="none")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "quality.png"), help="the PNG (the CSV goes next to it)")
-    args = p.parse_args(argv)
-    if args.eval_subset:
-        args.eval_bank = args.curve_bank = args.eval_subset
-        args.eval_queries = args.curve_queries = max(100, args.eval_subset // 4)
-    quiet()
-    t0 = time.perf_counter()
-    header("Quality for a fixed wall-clock budget: moco-lightning vs the lightly-examples pattern", args)
-    pick_threads(args)
-    budget = 60 * args.minutes
-    print(f"model (both): {describe_model(args)}; SGD lr {args.lr} per 256, momentum 0.9, wd {args.weight_decay}, cosine lr")
-    print(f"budget: {args.minutes:g} min of training per system (speed measurement and evaluations not counted)")
-    print(f"kNN: k={K_NN}, T={T_NN}, cosine; curve set: bank {args.curve_bank} train / {args.curve_queries} test images; "
-          f"final: bank {args.eval_bank} train / {args.eval_queries} test images; linear probe: {args.probe_epochs} epochs\n",
-          flush=True)
+def run_system(
+    system: System,
+    budget_s: float,
+    curve_points: int,
+    ref_workers=(0, 2),
+    sps: Optional[float] = None,
+    stop_at_budget: bool = True,
+) -> dict:
+    """Times (unless ``sps`` is given), plans, trains and evaluates one system; returns its results (with the curve).
 
-    train, test = fashion_mnist("train", args.data_dir), fashion_mnist("test", args.data_dir)
-    ev = Evaluator(args, train, test)
-    spe = len(train[1]) // args.batch_size
-    results, curves = {}, {}
+    ``stop_at_budget=False``: the planned steps are trained whatever the wall clock says (for runs timed beforehand on
+    an idle machine, trained while the machine is shared)."""
+    if sps is not None:
+        pass
+    elif system.config == "reference":
+        speeds = {}
+        for w in ref_workers:
+            system.workers = w
+            speeds[w] = system.seconds_per_step()
+            print(f"  speed with num_workers={w}: {speeds[w]:.3f} s/step", flush=True)
+        system.workers = min(speeds, key=speeds.get)
+        sps = speeds[system.workers]
+    else:
+        sps = system.seconds_per_step()
+    total = max(1, int(budget_s / sps))
+    batch = system.batch_size()
+    epoch = len(system.splits.pretrain[1]) // batch
+    eval_steps = {max(1, round(total * i / max(1, curve_points))) for i in range(1, curve_points + 1)}
+    print(
+        f"  [{system.name}] {sps:.3f} s/step ({batch / sps:.0f} images/s) -> {total} steps = {total / epoch:.2f} "
+        f"epochs of {epoch}; cosine lr over {total} steps",
+        flush=True,
+    )
+    clock = budget_callback(budget_s if stop_at_budget else math.inf, eval_steps, system.splits.curve, system.name)
+    model = system.fit(total, [clock], total_steps=total)
+    steps = clock.curve[-1][1]
+    result = evaluate(model, system.splits.bank, system.splits.queries, system.args.probe_epochs, system.args.seed)
+    result.update(
+        steps=steps,
+        epochs=steps / epoch,
+        train_s=clock.train_s,
+        seconds_per_step=sps,
+        images_per_s=batch / sps,
+        planned_steps=total,
+        stopped_at_budget=clock.stopped_at_budget,
+        workers=system.workers,
+        curve=clock.curve,
+    )
+    print(
+        f"  [{system.name}] {steps} steps ({steps / epoch:.2f} epochs) in {clock.train_s:.0f} s: kNN "
+        f"{100 * result['knn_top1']:.2f} %, probe {100 * result.get('probe_top1', float('nan')):.2f} %\n",
+        flush=True,
+    )
+    return result
 
-    # baselines
-    t = time.perf_counter()
-    flat = nn.Flatten()
-    results["raw pixels (normalised)"] = ev.final(flat)
-    pixel_curve = ev.curve(flat)
+
+def baselines(splits: Splits, config: str, args) -> dict:
     torch.manual_seed(args.seed)
-    from moco_lightning import MoCo
+    init, _ = from_config(config_path(config), *args.override)
+    return {
+        name: {
+            **evaluate(module, splits.bank, splits.queries, args.probe_epochs, args.seed),
+            "curve": [(0.0, 0, splits.curve(module))],
+        }
+        for name, module in (("raw pixels (normalised)", nn.Flatten()), ("random-init encoder", init))
+    }
 
-    init = MoCo(**moco_kwargs(args))
-    results["random-init encoder"] = ev.final(init)
-    init_curve = ev.curve(init)
-    del init
-    print(f"baselines done in {time.perf_counter() - t:.0f} s: raw pixels kNN {100 * results['raw pixels (normalised)']['knn_top1']:.2f} %, "
-          f"random-init encoder kNN {100 * results['random-init encoder']['knn_top1']:.2f} % (final set)\n", flush=True)
 
-    for name in args.systems:
-        system = System(name, args, train)
-        label = "moco-lightning (ours)" if name == "ours" else "reference (lightly pattern)"
-        print(f"-- {label} --", flush=True)
-        if name == "reference":
-            speeds = {}
-            for w in args.ref_workers:
-                system.workers = w
-                speeds[w] = system.seconds_per_step(3, args.speed_steps)
-                print(f"  speed with num_workers={w}: {speeds[w]:.3f} s/step", flush=True)
-            system.workers = min(speeds, key=speeds.get)
-            sps = speeds[system.workers]
-        else:
-            sps = system.seconds_per_step(3, args.speed_steps)
-        total = max(1, int(budget / sps))
-        eval_steps = {max(1, round(total * i / max(1, args.curve_points))) for i in range(1, args.curve_points + 1)}
-        print(f"  speed {sps:.3f} s/step ({args.batch_size / sps:.0f} images/s)"
-              + (f", num_workers={system.workers}" if name == "reference" else "")
-              + f" -> plan {total} steps = {total / spe:.2f} epochs of {spe} steps; cosine lr over {total} steps", flush=True)
-        to_features = (lambda m: m) if name == "ours" else FeatureExtractor
-        budget_cb = Budget(budget, eval_steps, lambda module: ev.curve(to_features(module)), spe, name)
-        _, features = system.fit(total, [budget_cb], total_steps=total)
-        steps = budget_cb.curve[-1][1]
-        final = ev.final(features)
-        final.update(steps=steps, epochs=steps / spe, train_s=budget_cb.train_s, images_per_s=steps * args.batch_size / budget_cb.train_s,
-                     planned_steps=total, stopped_at_budget=budget_cb.stopped_at_budget,
-                     workers=system.workers if name == "reference" else 0)
-        results[label] = final
-        curves[label] = [(0.0, 0, 0.0, init_curve)] + budget_cb.curve
-        print(f"  trained {steps} steps ({steps / spe:.2f} epochs) in {budget_cb.train_s:.0f} s"
-              + (" (stopped at the budget)" if budget_cb.stopped_at_budget else "")
-              + f"; final kNN {100 * final['knn_top1']:.2f} %, linear probe {100 * final['probe_top1']:.2f} % "
-              f"(final evaluation {final['eval_s']:.0f} s)\n", flush=True)
-
-    # report
-    rows = []
-    for label, r in results.items():
-        rows.append([label, f"{r['epochs']:.2f}" if "epochs" in r else "-", str(r.get("steps", "-")),
-                     f"{r['train_s']:.0f}" if "train_s" in r else "-", f"{r['images_per_s']:.0f}" if "images_per_s" in r else "-",
-                     f"{100 * r['knn_top1']:.2f}", f"{100 * r['probe_top1']:.2f}"])
-    print(f"final evaluation: kNN bank {args.eval_bank} train images, {args.eval_queries} test queries; probe trained on "
-          f"the same {args.eval_bank} train features")
-    print_table(rows, ["system", "epochs", "steps", "train s", "images/s", "kNN top-1 %", "linear probe top-1 %"])
-
-    out = Path(args.out)
+def write_results(out: Path, results: dict, args, title: str) -> None:
+    """The table on stdout, a CSV of every number next to ``out`` and the plot (kNN against training time)."""
+    rows = [
+        [
+            name,
+            f"{r['epochs']:.2f}" if "epochs" in r else "-",
+            f"{r['train_s']:.0f}" if "train_s" in r else "-",
+            f"{r['images_per_s']:.0f}" if "images_per_s" in r else "-",
+            f"{100 * r['knn_top1']:.2f}",
+            f"{100 * r['probe_top1']:.2f}" if "probe_top1" in r else "-",
+        ]
+        for name, r in results.items()
+    ]
+    print_table(rows, ["system", "epochs", "train s", "images/s", "kNN top-1 %", "probe top-1 %"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    csv_path = out.with_suffix(".csv")
-    with open(csv_path, "w", newline="") as f:
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "kind", "step", "epoch", "train_seconds", "knn_top1", "probe_top1", "bank", "queries"])
-        for label, pts in curves.items():
-            for s, step, ep, acc in pts:
-                w.writerow([label, "curve", step, f"{ep:.4f}", f"{s:.2f}", f"{acc:.4f}", "", args.curve_bank, args.curve_queries])
-        w.writerow(["raw pixels (normalised)", "curve", "", "", "", f"{pixel_curve:.4f}", "", args.curve_bank, args.curve_queries])
-        for label, r in results.items():
-            w.writerow([label, "final", r.get("steps", ""), f"{r['epochs']:.4f}" if "epochs" in r else "",
-                        f"{r['train_s']:.2f}" if "train_s" in r else "", f"{r['knn_top1']:.4f}", f"{r['probe_top1']:.4f}",
-                        args.eval_bank, args.eval_queries])
-    plot(out, curves, pixel_curve, init_curve, args)
-    print(f"wrote {out} and {csv_path}")
-    footer(t0)
-
-
-def plot(out: Path, curves: dict, pixel_curve: float, init_curve: float, args) -> None:
+        w.writerow(["system", "kind", "step", "train_seconds", "knn_top1", "probe_top1", "split"])
+        for name, r in results.items():
+            for s, step, acc in r.get("curve", []):
+                w.writerow([name, "curve", step, f"{s:.2f}", f"{acc:.4f}", "", args.split])
+            w.writerow(
+                [
+                    name,
+                    "final",
+                    r.get("steps", ""),
+                    f"{r.get('train_s', 0):.2f}",
+                    f"{r['knn_top1']:.4f}",
+                    f"{r.get('probe_top1', float('nan')):.4f}",
+                    args.split,
+                ]
+            )
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for (label, pts), style in zip(curves.items(), ("o-", "s--")):
-        ax.plot([p[0] / 60 for p in pts], [100 * p[3] for p in pts], style, label=label)
-    ax.axhline(100 * pixel_curve, color="gray", ls=":", label=f"raw pixels ({100 * pixel_curve:.1f} %)")
-    ax.axhline(100 * init_curve, color="gray", ls="-.", lw=0.8, label=f"random-init encoder ({100 * init_curve:.1f} %)")
+    for name, r in results.items():
+        pts = r.get("curve", [])
+        if len(pts) > 1:
+            ax.plot([p[0] / 60 for p in pts], [100 * p[2] for p in pts], "o-", label=name, ms=3)
+        elif pts:
+            ax.axhline(100 * pts[0][2], ls=":", color="gray", lw=1)
+            ax.text(0, 100 * pts[0][2], f" {name}", fontsize=7, color="gray", va="bottom")
     ax.set_xlabel("training wall time (min; evaluations excluded)")
-    ax.set_ylabel("kNN top-1 (%)")
-    ax.set_title(f"Fashion-MNIST, {args.minutes:g} min per system: kNN (k={K_NN}, T={T_NN}), bank {args.curve_bank}, "
-                 f"{args.curve_queries} test", fontsize=9)
+    ax.set_ylabel("kNN top-1 (%, curve set)")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.text(0.01, 0.005, describe_model(args) + f"; torch threads {torch.get_num_threads()}", fontsize=6, color="gray")
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+    print(f"wrote {out} and {out.with_suffix('.csv')}")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--split", choices=["val", "test"], default="test", help="val: select on the last 10k train images")
+    p.add_argument(
+        "--override", nargs="*", default=[], help="CLI overrides for every config, e.g. --data.init_args.seed=1"
+    )
+    p.add_argument("--curve-points", type=int, default=5)
+    p.add_argument("--curve-bank", type=int, default=10000)
+    p.add_argument("--curve-queries", type=int, default=2000)
+    p.add_argument("--eval-subset", type=int, default=None, help="smoke runs: banks of N, queries N // 4")
+    p.add_argument("--probe-epochs", type=int, default=20)
+    p.add_argument("--timing-warmup", type=int, default=3, help="untimed steps before the timed ones")
+    p.add_argument("--timing-steps", type=int, default=8, help="timed steps of a speed measurement")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget per system")
+    p.add_argument("--systems", nargs="+", default=["quickstart", "reference"])
+    p.add_argument("--ref-workers", type=int, nargs="+", default=[0, 2])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quality.png"))
+    add_common_args(p)
+    args = p.parse_args(argv)
+    quiet()
+    t0 = time.perf_counter()
+    header("Quality for a fixed training wall-clock budget", args)
+    splits = Splits(args.split, args.eval_subset, args.curve_bank, args.curve_queries)
+    print(
+        f"split {args.split}: pretraining on {len(splits.pretrain[1])} images; kNN bank {len(splits.bank[1])}, "
+        f"queries {len(splits.queries[1])}; curve set {len(splits.curve_bank[1])} / {len(splits.curve_queries[1])}; "
+        f"probe {args.probe_epochs} epochs\n",
+        flush=True,
+    )
+    first = next((s for s in args.systems if s != "reference"), "quickstart")
+    results = baselines(splits, first, args)
+    for name in args.systems:
+        results[name] = run_system(System(name, args, splits), 60 * args.minutes, args.curve_points, args.ref_workers)
+    write_results(Path(args.out), results, args, f"Fashion-MNIST, {args.minutes:g} min per system, split {args.split}")
+    footer(t0)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Offline linear evaluation (the paper's protocol) is :class:`moco_lightning.linea
 
 from .diagnostics import RepresentationDiagnostics, alignment, mean_queue_age, uniformity
 from .knn import KNNMonitor, knn_accuracy, knn_counts, knn_scores
-from .linear_probe import LinearProbe
+from .linear_probe import LinearProbe, probe_accuracy
 from .tensorboard import EmbeddingProjector, ViewGrid
 
 __all__ = [
@@ -24,5 +24,6 @@ __all__ = [
     "knn_counts",
     "knn_scores",
     "mean_queue_age",
+    "probe_accuracy",
     "uniformity",
 ]

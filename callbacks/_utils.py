@@ -22,8 +22,21 @@ from moco_lightning.errors import ConfigError
 LoaderLike = Union[Iterable, Callable[[], Iterable]]
 
 __all__ = [
-    "LoaderLike", "concat_all_gather", "denormalize", "embed", "eval_mode", "first_view", "forward_context",
-    "log_now", "max_across_ranks", "rank", "resolve_loader", "resolve_num_classes", "shard", "sum_across_ranks", "tensorboard_writer",
+    "LoaderLike",
+    "concat_all_gather",
+    "denormalize",
+    "embed",
+    "eval_mode",
+    "first_view",
+    "forward_context",
+    "log_now",
+    "max_across_ranks",
+    "rank",
+    "resolve_loader",
+    "resolve_num_classes",
+    "shard",
+    "sum_across_ranks",
+    "tensorboard_writer",
     "world_size",
 ]
 
@@ -106,8 +119,13 @@ def _rebuild(loader: Iterable, rank_: int, world: int, limit: Optional[int]) -> 
         return None
     order = list(range(n if limit is None else min(n, limit)))  # evaluation loaders are in dataset order
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=order[rank_::world], collate_fn=loader.collate_fn,
-        num_workers=loader.num_workers, pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn,
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=order[rank_::world],
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
     )
 
 

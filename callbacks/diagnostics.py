@@ -23,8 +23,9 @@ from lightly.utils.debug import std_of_l2_normalized
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
-from ._utils import log_now
 from moco_lightning.errors import ConfigError
+
+from ._utils import log_now
 
 __all__ = ["RepresentationDiagnostics", "alignment", "mean_queue_age", "uniformity"]
 
@@ -83,7 +84,9 @@ class RepresentationDiagnostics(Callback):
                 params.extend(module.parameters())
         return params
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step, n = trainer.global_step, self.every_n_steps
         key_params = self.key_encoder_parameters(pl_module)
         metrics: dict[str, float] = {}

@@ -25,16 +25,27 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 
-from ._utils import (
-    LoaderLike, concat_all_gather, embed, forward_context, log_now, max_across_ranks, resolve_loader,
-    resolve_num_classes, sum_across_ranks, world_size,
-)
 from moco_lightning.errors import ConfigError
+
+from ._utils import (
+    LoaderLike,
+    concat_all_gather,
+    embed,
+    forward_context,
+    log_now,
+    max_across_ranks,
+    resolve_loader,
+    resolve_num_classes,
+    sum_across_ranks,
+    world_size,
+)
 
 __all__ = ["KNNMonitor", "knn_accuracy", "knn_counts", "knn_scores", "sharded_knn_counts"]
 
 
-def knn_scores(features: Tensor, bank: Tensor, bank_targets: Tensor, num_classes: int, k: int, temperature: float) -> Tensor:
+def knn_scores(
+    features: Tensor, bank: Tensor, bank_targets: Tensor, num_classes: int, k: int, temperature: float
+) -> Tensor:
     """Class scores (N, C) of the weighted kNN vote: ``sum over the k most similar bank rows of exp(sim / T)``.
 
     ``features`` (N, D) and ``bank`` (M, D) L2-normalised, so ``sim`` is the cosine similarity;
@@ -77,8 +88,8 @@ def knn_counts(
     bank_targets = bank_targets.to(bank.device).long()
     correct = torch.zeros(len(topk), dtype=torch.long, device=bank.device)
     for start in range(0, features.shape[0], chunk_size):
-        f = features[start:start + chunk_size].to(bank.device, bank.dtype)
-        y = targets[start:start + chunk_size].to(bank.device).long()
+        f = features[start : start + chunk_size].to(bank.device, bank.dtype)
+        y = targets[start : start + chunk_size].to(bank.device).long()
         correct += _correct(knn_scores(f, bank, bank_targets, num_classes, k, temperature), y, num_classes, topk)
     total = torch.tensor([features.shape[0]], dtype=torch.long, device=bank.device)
     return torch.cat([correct, total])
@@ -114,8 +125,8 @@ def sharded_knn_counts(
     bank_shard_targets = bank_shard_targets.to(bank_shard.device).long()
     correct = torch.zeros(len(topk), dtype=torch.long, device=bank_shard.device)
     for start in range(0, queries.shape[0], chunk_size):
-        f = queries[start:start + chunk_size].to(bank_shard.device, bank_shard.dtype)
-        y = query_targets[start:start + chunk_size].to(bank_shard.device)
+        f = queries[start : start + chunk_size].to(bank_shard.device, bank_shard.dtype)
+        y = query_targets[start : start + chunk_size].to(bank_shard.device)
         sim = torch.full((f.shape[0], k), float("-inf"), device=f.device)
         labels = torch.zeros((f.shape[0], k), dtype=torch.long, device=f.device)
         if local_k:
@@ -159,7 +170,9 @@ def knn_accuracy(
     """
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    bank, bank_targets = embed(module, bank_loader, device, limit=max_bank_size, gather=False, forward_context=forward_ctx)
+    bank, bank_targets = embed(
+        module, bank_loader, device, limit=max_bank_size, gather=False, forward_context=forward_ctx
+    )
     bank = bank.to(bank_dtype)
     top = bank_targets.max().reshape(1) if bank_targets.numel() else torch.full((1,), -1, device=bank_targets.device)
     top = int(max_across_ranks(top))
@@ -200,6 +213,9 @@ class KNNMonitor(Callback):
         bank_dataloader, val_dataloader: loaders, or callables returning one, used instead of the
             datamodule's evaluation loaders.
         run_at_start: evaluate the baseline in ``on_train_start`` (skipped when resuming mid-run).
+        pixel_baseline: also log ``<log_prefix>/knn_acc1_pixels`` (and ``_acc5_pixels``) once at the start: the same
+            kNN, bank and queries on the raw normalised pixels (flattened) instead of features, the baseline an
+            encoder has to beat (for images small enough to flatten: 28 px is 784 values).
 
     Attributes:
         history: ``[(global_step, acc1), ...]`` of every evaluation, kept in checkpoints.
@@ -218,6 +234,7 @@ class KNNMonitor(Callback):
         val_dataloader: Optional[LoaderLike] = None,
         run_at_start: bool = True,
         bank_dtype: Literal["float32", "bfloat16"] = "float32",
+        pixel_baseline: bool = False,
     ) -> None:
         super().__init__()
         if bank_dtype not in ("float32", "bfloat16"):
@@ -232,27 +249,41 @@ class KNNMonitor(Callback):
         self.max_bank_size, self.chunk_size, self.log_prefix = max_bank_size, chunk_size, log_prefix
         self.num_classes, self.run_at_start, self.bank_dtype = num_classes, run_at_start, getattr(torch, bank_dtype)
         self.bank_dataloader, self.val_dataloader = bank_dataloader, val_dataloader
+        self.pixel_baseline = pixel_baseline
         self.history: list[tuple[int, float]] = []
 
-    def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
-        """Runs the kNN evaluation now; returns ``{name: accuracy in [0, 1]}`` and records it in ``history``."""
+    def evaluate(self, trainer: Trainer, pl_module: LightningModule, pixels: bool = False) -> dict[str, float]:
+        """Runs the kNN evaluation now; returns ``{name: accuracy in [0, 1]}`` and records it in ``history``
+        (``pixels``: of the flattened images instead, named ``..._pixels`` and not recorded)."""
         result = knn_accuracy(
-            pl_module,
+            nn.Flatten() if pixels else pl_module,
             resolve_loader(self.bank_dataloader, trainer, "eval_train_dataloader"),
             resolve_loader(self.val_dataloader, trainer, "eval_val_dataloader"),
             num_classes=resolve_num_classes(self.num_classes, trainer),
-            k=self.k, temperature=self.temperature, max_bank_size=self.max_bank_size,
-            chunk_size=self.chunk_size, device=pl_module.device, forward_ctx=forward_context(trainer),
+            k=self.k,
+            temperature=self.temperature,
+            max_bank_size=self.max_bank_size,
+            chunk_size=self.chunk_size,
+            device=pl_module.device,
+            forward_ctx=forward_context(trainer),
             bank_dtype=self.bank_dtype,
         )
-        metrics = {f"{self.log_prefix}/knn_acc1": result["acc1"], f"{self.log_prefix}/knn_acc5": result["acc5"]}
-        self.history.append((trainer.global_step, metrics[f"{self.log_prefix}/knn_acc1"]))
+        suffix = "_pixels" if pixels else ""
+        metrics = {
+            f"{self.log_prefix}/knn_acc1{suffix}": result["acc1"],
+            f"{self.log_prefix}/knn_acc5{suffix}": result["acc5"],
+        }
+        if not pixels:
+            self.history.append((trainer.global_step, metrics[f"{self.log_prefix}/knn_acc1"]))
         return metrics
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.run_at_start and trainer.global_step == 0:
             # self.log here would be written at the end of the first epoch: write at step 0 directly.
-            log_now(trainer, self.evaluate(trainer, pl_module))
+            metrics = self.evaluate(trainer, pl_module)
+            if self.pixel_baseline:
+                metrics.update(self.evaluate(trainer, pl_module, pixels=True))
+            log_now(trainer, metrics)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:

@@ -23,12 +23,21 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from ._utils import (
-    LoaderLike, eval_mode, first_view, forward_context, rank, resolve_loader, resolve_num_classes, shard, world_size,
-)
 from moco_lightning.errors import ConfigError
 
-__all__ = ["LinearProbe"]
+from ._utils import (
+    LoaderLike,
+    eval_mode,
+    first_view,
+    forward_context,
+    rank,
+    resolve_loader,
+    resolve_num_classes,
+    shard,
+    world_size,
+)
+
+__all__ = ["LinearProbe", "probe_accuracy"]
 
 
 class LinearProbe(Callback):
@@ -43,7 +52,8 @@ class LinearProbe(Callback):
     ``log_every_n_steps``) and, at the end of every ``every_n_epochs``-th training epoch,
     ``val/probe_acc1`` (plus ``val/probe_acc5`` when there are more than 5 classes) on
     ``trainer.datamodule.eval_val_dataloader()`` (at train-epoch end rather than validation end, so
-    that it runs whether or not the trainer has a validation loop, at the same step as the kNN). Accuracies are fractions in [0, 1]. Under DDP
+    that it runs whether or not the trainer has a validation loop, at the same step as the kNN). Accuracies are
+    fractions in [0, 1]. Under DDP
     the probe's gradients are averaged over ranks (all ranks keep the same weights) and the
     validation counts are summed over ranks.
 
@@ -104,7 +114,9 @@ class LinearProbe(Callback):
         self.num_classes = resolve_num_classes(self.num_classes, trainer)
 
     # --- training -----------------------------------------------------------------------------
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         y = batch[1]
         features = outputs.get("features") if isinstance(outputs, dict) else None
         if features is None or features.shape[0] != y.shape[0]:
@@ -179,3 +191,44 @@ class LinearProbe(Callback):
         device = self.classifier.weight.device if self.classifier is not None else torch.device("cpu")
         # built now (on the CPU until the first batch moves it, optimizer state included)
         self._build(state_dict["feature_dim"], device, state_dict)
+
+
+def probe_accuracy(
+    train_features: Tensor,
+    train_targets: Tensor,
+    test_features: Tensor,
+    test_targets: Tensor,
+    num_classes: int,
+    epochs: int = 20,
+    lr: float = 1e-3,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> float:
+    """Top-1 on ``test_features`` of a linear classifier trained on frozen ``train_features`` (offline, fast).
+
+    The features are standardised with the train split's statistics; Adam, cosine lr over ``epochs`` epochs,
+    minibatches of ``batch_size`` drawn from ``seed`` (the global RNG is left alone). What the benchmarks report as
+    "linear probe": cheaper than :class:`~moco_lightning.linear_eval.LinearClassifier` (which runs the backbone on
+    augmented images every epoch) and the same for every system compared.
+    """
+    mean, std = train_features.mean(0), train_features.std(0) + 1e-6
+    train, test = (train_features - mean) / std, (test_features - mean) / std
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        classifier = nn.Linear(train.shape[1], num_classes)
+    steps = max(1, epochs * -(-len(train) // batch_size))
+    optimizer = torch.optim.Adam(classifier.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    with torch.enable_grad():
+        for _ in range(epochs):
+            order = torch.randperm(len(train), generator=g)
+            for i in range(0, len(train), batch_size):
+                idx = order[i : i + batch_size]
+                loss = F.cross_entropy(classifier(train[idx]), train_targets[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+    with torch.no_grad():
+        return (classifier(test).argmax(1) == test_targets).float().mean().item()

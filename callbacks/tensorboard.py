@@ -22,15 +22,18 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torchvision.utils import make_grid
 
-from ._utils import LoaderLike, denormalize, eval_mode, forward_context, resolve_loader, tensorboard_writer
 from moco_lightning.errors import ConfigError
+
+from ._utils import LoaderLike, denormalize, eval_mode, forward_context, resolve_loader, tensorboard_writer
 
 __all__ = ["EmbeddingProjector", "ViewGrid"]
 
 
 def _stats(trainer: Trainer, mean: Optional[Sequence[float]], std: Optional[Sequence[float]]):
     dm = getattr(trainer, "datamodule", None)
-    return (mean if mean is not None else getattr(dm, "mean", None)), (std if std is not None else getattr(dm, "std", None))
+    return (mean if mean is not None else getattr(dm, "mean", None)), (
+        std if std is not None else getattr(dm, "std", None)
+    )
 
 
 def _writer_or_warn(trainer: Trainer, who: str) -> Any:
@@ -54,8 +57,13 @@ class ViewGrid(Callback):
         tag: the image's name in TensorBoard.
     """
 
-    def __init__(self, n_images: int = 8, mean: Optional[Sequence[float]] = None, std: Optional[Sequence[float]] = None,
-                 tag: str = "train/views") -> None:
+    def __init__(
+        self,
+        n_images: int = 8,
+        mean: Optional[Sequence[float]] = None,
+        std: Optional[Sequence[float]] = None,
+        tag: str = "train/views",
+    ) -> None:
         super().__init__()
         if n_images < 1:
             raise ConfigError(f"n_images must be >= 1, got {n_images}")
@@ -140,10 +148,16 @@ class EmbeddingProjector(Callback):
         if thumbs.shape[1] == 1:
             thumbs = thumbs.expand(-1, 3, -1, -1)
         if max(thumbs.shape[-2:]) > self.thumbnail_size:
-            thumbs = F.interpolate(thumbs, size=(self.thumbnail_size, self.thumbnail_size), mode="bilinear",
-                                   antialias=True, align_corners=False).clamp(0, 1)
+            thumbs = F.interpolate(
+                thumbs,
+                size=(self.thumbnail_size, self.thumbnail_size),
+                mode="bilinear",
+                antialias=True,
+                align_corners=False,
+            ).clamp(0, 1)
         names = self.class_names
         metadata = [str(names[int(t)]) if names is not None else str(int(t)) for t in y]
-        self._writer.add_embedding(torch.cat(features), metadata=metadata, label_img=thumbs,
-                                   global_step=trainer.global_step, tag=self.tag)
+        self._writer.add_embedding(
+            torch.cat(features), metadata=metadata, label_img=thumbs, global_step=trainer.global_step, tag=self.tag
+        )
         self._writer.flush()

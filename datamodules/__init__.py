@@ -1,15 +1,17 @@
 """Datamodules giving MoCo's two views for pretraining and the evaluation views for the callbacks."""
 
-from .base import ImageTensorDataset, InMemoryDataModule, NormalizeCollate, SeededRandomSampler
+from .base import ImageTensorDataset, InMemoryDataModule, NormalizeCollate, SeededRandomSampler, TwoViewDataModule
 from .batch_views import BatchViews
 from .cifar import CIFAR10DataModule, CIFAR100DataModule
 from .fashion_mnist import FashionMNISTDataModule
-from .image_folder import BadImageError, ImageFolderDataModule, load_image
+from .image_folder import ImageFolderDataModule
+from .images import BadImageError, ImageFileDataset, find_bad_images, load_image, scan_image_folder
 from .stl10 import STL10DataModule
 from .transforms import PRESETS, ViewSettings, batch_views, moco_v1, moco_v2, moco_v3, pil_views, view_settings
 
 __all__ = [
     "BadImageError",
+    "ImageFileDataset",
     "BatchViews",
     "CIFAR10DataModule",
     "CIFAR100DataModule",
@@ -21,12 +23,15 @@ __all__ = [
     "PRESETS",
     "STL10DataModule",
     "SeededRandomSampler",
+    "TwoViewDataModule",
     "ViewSettings",
     "batch_views",
+    "find_bad_images",
     "load_image",
     "moco_v1",
     "moco_v2",
     "moco_v3",
     "pil_views",
+    "scan_image_folder",
     "view_settings",
 ]

@@ -28,8 +28,9 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .batch_views import BatchViews
 from moco_lightning.errors import ConfigError
+
+from .transforms import ViewSettings, linear_eval_views
 
 
 class SeededRandomSampler(Sampler[int]):
@@ -100,15 +101,14 @@ class NormalizeCollate:
         return (x - self.mean) / self.std, targets, index
 
 
-class InMemoryDataModule(LightningDataModule):
-    """Base for datasets held in memory as uint8 tensors; augmentation runs batched on the device.
+class TwoViewDataModule(LightningDataModule):
+    """What every datamodule of this library shares: the seeded sampler, the loaders, the views drawn batched on
+    the batch's device, and each rank's augmentation generator (saved in checkpoints).
 
-    Subclasses set ``num_classes``, ``mean``, ``std``, ``in_channels`` and implement
-    :meth:`load_split` returning ``(images uint8 (N, C, H, W), targets int64 (N,))``.
-
-    The loaders yield raw uint8 batches; :meth:`on_after_batch_transfer` turns a training batch into
-    its two MoCo views with :class:`BatchViews` on the batch's device (the GPU when there is one), from
-    a generator seeded by ``seed`` whose state is saved in the checkpoint.
+    Subclasses set ``num_classes``, ``mean``, ``std``, ``in_channels``, provide the loaders of the contract above
+    and pass ``views``: a :class:`BatchViews` (or another module ``(uint8 batch, generator) -> list of views``)
+    that :meth:`on_after_batch_transfer` applies to uint8 training batches; batches that arrive as float views
+    (made in the workers) or evaluation batches pass through.
     """
 
     num_classes: int
@@ -118,38 +118,139 @@ class InMemoryDataModule(LightningDataModule):
 
     def __init__(
         self,
+        batch_size: int,
+        image_size: int,
+        num_workers: int,
+        seed: int,
+        pretrain: bool,
+        views: Optional[torch.nn.Module],
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.image_size, self.num_workers, self.seed = batch_size, image_size, num_workers, seed
+        self.pretrain, self.views = pretrain, views
+        self._generator: Optional[torch.Generator] = None
+        self._generator_states: Optional[list] = None  # per rank, from a checkpoint
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is None or not (trainer.training or trainer.validating or trainer.sanity_checking):
+            return batch
+        images, targets, index = batch
+        # raw: a uint8 batch, or the image folder's uint8 (global crops, local crops); else views made in the
+        # workers (float) or an evaluation batch: passed through
+        first = images[0] if isinstance(images, (list, tuple)) and len(images) == 2 else images
+        if not (isinstance(first, Tensor) and first.dtype == torch.uint8) or self.views is None:
+            return batch
+        if trainer.training:
+            views = self.views(images, self._train_generator(first.device))
+        else:  # fixed views per batch, so the validation loss is comparable across epochs
+            g = torch.Generator(device=first.device).manual_seed(self.seed + 7919 * int(index[0]))
+            views = self.views(images, g)
+        return (views if self.pretrain else views[0]), targets, index
+
+    def state_dict(self) -> dict:
+        """The augmentation generator's state of every rank (gathered: Lightning saves on every rank, rank 0 writes)."""
+        from moco_lightning.distributed import gather_objects
+
+        g = self._generator
+        mine = g.get_state() if g is not None else self._own_state()
+        return {"augment_rng": gather_objects(mine)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("augment_rng")
+        # 0.1.0 saved rank 0's state alone (a tensor); since then, one state per rank
+        self._generator_states = [saved] if isinstance(saved, Tensor) else saved
+        self._generator = None
+
+    def _rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
+
+    def _own_state(self) -> Optional[Tensor]:
+        states = self._generator_states
+        return states[self._rank()] if states is not None and self._rank() < len(states) else None
+
+    def _train_generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            rank = self._rank()  # each rank its own stream
+            self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
+            state = self._own_state()
+            if state is not None:  # resuming: this rank's stream continues where it was saved
+                try:
+                    self._generator.set_state(state.cpu())
+                except RuntimeError:  # e.g. a GPU run resumed on a CPU: the state formats differ
+                    warnings.warn(
+                        "the checkpoint's augmentation RNG state does not fit this device; views restart from `seed`",
+                        stacklevel=2,
+                    )
+            elif self._generator_states is not None:
+                warnings.warn(
+                    f"the checkpoint holds no augmentation RNG state for rank {rank} (it was saved by "
+                    f"{len(self._generator_states)} process(es)): this rank's views restart from `seed`",
+                    stacklevel=2,
+                )
+        return self._generator
+
+    def _loader(
+        self, ds: Dataset, sampler: Optional[Sampler] = None, drop_last: bool = False, collate_fn=None
+    ) -> DataLoader:
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=drop_last,
+            collate_fn=collate_fn or collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+
+class InMemoryDataModule(TwoViewDataModule):
+    """Base for datasets held in memory as uint8 tensors; augmentation runs batched on the device.
+
+    Subclasses set ``num_classes``, ``mean``, ``std``, ``in_channels``, pass their view ``settings`` (a
+    :class:`~moco_lightning.datamodules.transforms.ViewSettings`) and implement :meth:`load_split` returning
+    ``(images uint8 (N, C, H, W), targets int64 (N,))``.
+
+    Args:
+        batch_size: per device; pretraining drops the last partial batch.
+        image_size: side of the views and of the evaluation images.
+        num_workers: DataLoader workers (0: batches are cut from memory in the training process).
+        seed: the sampler's order (from ``(seed, epoch)``) and the augmentation generator's start.
+        pretrain: two-view batches (True) or the linear-evaluation views (random resized crop 0.08-1 + flip).
+        local_views, local_size, local_scale: multi-crop (SwAV §3.2): small extra views for the query encoder
+            (:class:`BatchViews`); ``local_size`` None: 96/224 of ``image_size``.
+        train_subset, val_subset: the first N images of each split (None: all).
+    """
+
+    def __init__(
+        self,
+        settings: ViewSettings,
         batch_size: int = 256,
         image_size: int = 32,
         num_workers: int = 0,
         seed: int = 0,
         pretrain: bool = True,
-        min_scale: float = 0.2,
-        jitter_strength: float = 0.4,
-        jitter_prob: float = 0.8,
-        gray_prob: float = 0.2,
-        blur_prob: float = 0.0,
+        local_views: int = 0,
+        local_size: Optional[int] = None,
+        local_scale: Tuple[float, float] = (0.05, 0.14),
         train_subset: Optional[int] = None,
         val_subset: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        if batch_size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be None (the whole split) or >= 1, got {value}")
-        self.batch_size, self.image_size, self.num_workers, self.seed = batch_size, image_size, num_workers, seed
-        self.pretrain = pretrain
+        settings = settings.with_local_views(local_views, local_size, local_scale)
+        views = (
+            settings.batch_views(self.mean, self.std)
+            if pretrain
+            else linear_eval_views(image_size, self.mean, self.std)
+        )
+        super().__init__(batch_size, image_size, num_workers, seed, pretrain, views)
+        self.view_settings = settings
         self.train_subset, self.val_subset = train_subset, val_subset
-        if pretrain:
-            self.views = BatchViews(
-                image_size, min_scale=min_scale, jitter_prob=jitter_prob,
-                jitter=(jitter_strength, jitter_strength, jitter_strength, min(jitter_strength, 0.4) / 4),
-                gray_prob=gray_prob, blur_prob=(blur_prob, blur_prob), mean=self.mean, std=self.std,
-            )
-        else:  # the linear-evaluation protocol: random resized crop (0.08-1) and flip only
-            self.views = BatchViews(image_size, min_scale=0.08, jitter_prob=0.0, gray_prob=0.0, mean=self.mean, std=self.std, n_views=1)
-        self._generator: Optional[torch.Generator] = None
-        self._generator_states: Optional[list] = None  # per rank, from a checkpoint
         self._splits: dict[str, ImageTensorDataset] = {}
 
     # --- what a subclass provides -----------------------------------------------------------
@@ -181,34 +282,6 @@ class InMemoryDataModule(LightningDataModule):
     def eval_val_dataloader(self) -> DataLoader:
         return self._loader(self._splits["val"], collate_fn=self._eval_collate())
 
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        trainer = self.trainer
-        if trainer is None or not (trainer.training or trainer.validating or trainer.sanity_checking):
-            return batch
-        images, targets, index = batch
-        if not isinstance(images, Tensor) or images.dtype != torch.uint8:  # views already made, or an evaluation batch
-            return batch
-        if trainer.training:
-            views = self.views(images, self._train_generator(images.device))
-        else:  # fixed views per batch, so the validation loss is comparable across epochs
-            g = torch.Generator(device=images.device).manual_seed(self.seed + 7919 * int(index[0]))
-            views = self.views(images, g)
-        return (views if self.pretrain else views[0]), targets, index
-
-    def state_dict(self) -> dict:
-        """The augmentation generator's state of every rank (gathered: Lightning saves on every rank, rank 0 writes)."""
-        from moco_lightning.distributed import gather_objects
-
-        g = self._generator
-        mine = g.get_state() if g is not None else self._own_state()
-        return {"augment_rng": gather_objects(mine)}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("augment_rng")
-        # 0.1.0 saved rank 0's state alone (a tensor); since then, one state per rank
-        self._generator_states = [saved] if isinstance(saved, Tensor) else saved
-        self._generator = None
-
     # --- helpers ----------------------------------------------------------------------------
     def _load_splits(self) -> None:
         """Loads "train" and "val" once each (cut to train_subset / val_subset) into ``self._splits``."""
@@ -219,33 +292,5 @@ class InMemoryDataModule(LightningDataModule):
                     images, targets = images[:limit], targets[:limit]
                 self._splits[split] = ImageTensorDataset(images, targets.long())
 
-    def _rank(self) -> int:
-        return self.trainer.global_rank if self.trainer is not None else 0
-
-    def _own_state(self) -> Optional[Tensor]:
-        states = self._generator_states
-        return states[self._rank()] if states is not None and self._rank() < len(states) else None
-
-    def _train_generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            rank = self._rank()  # each rank its own stream
-            self._generator = torch.Generator(device=device).manual_seed(self.seed + 1_000_003 * rank)
-            state = self._own_state()
-            if state is not None:  # resuming: this rank's stream continues where it was saved
-                try:
-                    self._generator.set_state(state.cpu())
-                except RuntimeError:  # e.g. a GPU run resumed on a CPU: the state formats differ
-                    warnings.warn("the checkpoint's augmentation RNG state does not fit this device; views restart from `seed`", stacklevel=2)
-            elif self._generator_states is not None:
-                warnings.warn(f"the checkpoint holds no augmentation RNG state for rank {rank} (it was saved by "
-                              f"{len(self._generator_states)} process(es)): this rank's views restart from `seed`", stacklevel=2)
-        return self._generator
-
     def _eval_collate(self) -> NormalizeCollate:
         return NormalizeCollate(self.mean, self.std, self.image_size)
-
-    def _loader(self, ds: Dataset, sampler: Optional[Sampler] = None, drop_last: bool = False, collate_fn=None) -> DataLoader:
-        return DataLoader(
-            ds, batch_size=self.batch_size, sampler=sampler, drop_last=drop_last, collate_fn=collate_fn or collate,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0, pin_memory=torch.cuda.is_available(),
-        )

@@ -23,6 +23,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 from moco_lightning.errors import ConfigError
 
 _LUMA = (0.299, 0.587, 0.114)
@@ -44,6 +45,10 @@ class BatchViews(nn.Module):
         solarize_prob: probability of solarization, one value for all views or one per view (v3: 0.0 and 0.2).
         mean, std: normalisation statistics, one per channel.
         n_views: how many views to return.
+        local_views, local_size, local_scale: multi-crop (Caron et al. 2020, SwAV §3.2): this many more views,
+            random resized crops of ``local_size`` px from ``local_scale`` of the image's area, returned after the
+            ``n_views`` global ones (colour as the global views; blur and solarize with the mean of their
+            per-view probabilities).
     """
 
     def __init__(
@@ -61,10 +66,20 @@ class BatchViews(nn.Module):
         mean: Sequence[float] = (0.5,),
         std: Sequence[float] = (0.5,),
         n_views: int = 2,
+        local_views: int = 0,
+        local_size: int = 0,
+        local_scale: Tuple[float, float] = (0.05, 0.14),
     ) -> None:
         super().__init__()
         if not 0 < min_scale <= max_scale <= 1:
-            raise ConfigError(f"min_scale/max_scale must satisfy 0 < min_scale <= max_scale <= 1, got {min_scale}, {max_scale}")
+            raise ConfigError(
+                f"min_scale/max_scale must satisfy 0 < min_scale <= max_scale <= 1, got {min_scale}, {max_scale}"
+            )
+        if local_views < 0 or (local_views and (local_size < 1 or not 0 < local_scale[0] <= local_scale[1] <= 1)):
+            raise ConfigError(
+                f"local_views={local_views} needs local_size >= 1 and 0 < local_scale[0] <= local_scale[1] "
+                f"<= 1; got local_size={local_size}, local_scale={tuple(local_scale)}"
+            )
         if len(mean) != len(std):
             raise ConfigError(f"mean and std need one value per channel, got {len(mean)} and {len(std)}")
         self.size = size
@@ -77,6 +92,10 @@ class BatchViews(nn.Module):
         self.blur_sigma = blur_sigma
         self.solarize_prob = _per_view(solarize_prob, n_views, "solarize_prob")
         self.n_views = n_views
+        self.local_views, self.local_size, self.local_scale = local_views, local_size, tuple(local_scale)
+        if local_views:  # the local views' blur / solarize: the mean of the global views' probabilities
+            self.blur_prob += (sum(self.blur_prob) / n_views,)
+            self.solarize_prob += (sum(self.solarize_prob) / n_views,)
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
         # The datamodule that owns this module is not an nn.Module and is never moved: the statistics follow the
@@ -87,21 +106,24 @@ class BatchViews(nn.Module):
     def forward(self, images: Tensor, generator: Optional[torch.Generator] = None) -> list[Tensor]:
         """``images``: (N, C, H, W) uint8 in [0, 255] or float in [0, 1]. Returns ``n_views`` normalised tensors."""
         x = images.float().div_(255) if images.dtype == torch.uint8 else images.float()
-        return [self._view(x, v, generator) for v in range(self.n_views)]
+        views = [self._view(x, v, generator, self.size, self.scale) for v in range(self.n_views)]
+        return views + [
+            self._view(x, self.n_views, generator, self.local_size, self.local_scale) for _ in range(self.local_views)
+        ]
 
     def _rand(self, n: int, x: Tensor, g: Optional[torch.Generator], *shape: int) -> Tensor:
         return torch.rand(n, *shape, device=x.device, generator=g)
 
-    def _view(self, x: Tensor, v: int, g: Optional[torch.Generator]) -> Tensor:
+    def _view(self, x: Tensor, v: int, g: Optional[torch.Generator], size: int, scale: Tuple[float, float]) -> Tensor:
         n, c, h, w = x.shape
-        out = self._crop_flip(x, g)
+        out = self._crop_flip(x, g, size, scale)
         if self.jitter_prob > 0 and any(self.jitter):
             out = self._jitter(out, g)
         if c == 3 and self.gray_prob > 0:
             gray = _gray(out).expand_as(out)
             out = torch.where(self._rand(n, x, g, 1, 1, 1) < self.gray_prob, gray, out)
         if self.blur_prob[v] > 0:
-            out = self._blur(out, self.blur_prob[v], g)
+            out = self._blur(out, self.blur_prob[v], g, size)
         if self.solarize_prob[v] > 0:
             sol = self._rand(n, x, g, 1, 1, 1) < self.solarize_prob[v]
             out = torch.where(sol & (out >= 0.5), 1.0 - out, out)
@@ -115,13 +137,13 @@ class BatchViews(nn.Module):
             self._stats_on[device] = (self.mean.to(device), self.std.to(device))
         return self._stats_on[device]
 
-    def _crop_flip(self, x: Tensor, g: Optional[torch.Generator]) -> Tensor:
+    def _crop_flip(self, x: Tensor, g: Optional[torch.Generator], size: int, scale: Tuple[float, float]) -> Tensor:
         """torchvision's RandomResizedCrop sampling (10 tries, then the whole image) + flip, as one warp."""
         n, c, h, w = x.shape
-        if self.scale == (1.0, 1.0) and h == w == self.size:  # views cropped beforehand: the flip alone, no resample
+        if scale == (1.0, 1.0) and h == w == size:  # views cropped beforehand: the flip alone, no resample
             return torch.where(self._rand(n, x, g, 1, 1, 1) < self.hflip_prob, x.flip(-1), x)
         tries = 10
-        area = self.scale[0] + (self.scale[1] - self.scale[0]) * self._rand(n, x, g, tries)
+        area = scale[0] + (scale[1] - scale[0]) * self._rand(n, x, g, tries)
         log_ratio = math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * self._rand(n, x, g, tries)
         ratio = log_ratio.exp()
         cw = (area * ratio * h / w).sqrt()  # crop width as a fraction of the image width
@@ -135,7 +157,7 @@ class BatchViews(nn.Module):
         flip = torch.where(self._rand(n, x, g) < self.hflip_prob, -1.0, 1.0)
         zero = torch.zeros_like(cw)
         theta = torch.stack([torch.stack([cw * flip, zero, cx], 1), torch.stack([zero, ch, cy], 1)], 1)
-        grid = F.affine_grid(theta, [n, c, self.size, self.size], align_corners=False)
+        grid = F.affine_grid(theta, [n, c, size, size], align_corners=False)
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
 
     def _jitter(self, x: Tensor, g: Optional[torch.Generator]) -> Tensor:
@@ -159,12 +181,12 @@ class BatchViews(nn.Module):
             y = _rotate_hue(y, hue * (2 * self._rand(n, x, g) - 1) * 2 * math.pi).clamp_(0, 1)
         return torch.where(apply, y, x)
 
-    def _blur(self, x: Tensor, prob: float, g: Optional[torch.Generator]) -> Tensor:
+    def _blur(self, x: Tensor, prob: float, g: Optional[torch.Generator], size: int) -> Tensor:
         n, c, h, w = x.shape
         # MoCo v2: kernel 10 % of the side (23 px at 224), sigma in [0.1, 2.0] at 224 px.
-        k = max(3, int(0.1 * self.size) // 2 * 2 + 1)
+        k = max(3, int(0.1 * size) // 2 * 2 + 1)
         lo, hi = self.blur_sigma
-        sigma = (lo + (hi - lo) * self._rand(n, x, g)) * self.size / 224
+        sigma = (lo + (hi - lo) * self._rand(n, x, g)) * size / 224
         r = torch.arange(k, device=x.device, dtype=x.dtype) - k // 2
         kern = torch.exp(-(r[None] ** 2) / (2 * sigma[:, None] ** 2))
         kern = (kern / kern.sum(1, keepdim=True)).repeat_interleave(c, 0)  # (n*c, k)
@@ -187,7 +209,7 @@ def _gray(x: Tensor) -> Tensor:
     if x.shape[1] == 1:
         return x
     r, g, b = _LUMA
-    return (r * x[:, 0:1] + g * x[:, 1:2] + b * x[:, 2:3])
+    return r * x[:, 0:1] + g * x[:, 1:2] + b * x[:, 2:3]
 
 
 _TO_YIQ = torch.tensor([[0.299, 0.587, 0.114], [0.596, -0.274, -0.322], [0.211, -0.523, 0.312]], dtype=torch.float64)

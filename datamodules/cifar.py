@@ -18,15 +18,16 @@ from __future__ import annotations
 import os
 import pickle
 from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .base import InMemoryDataModule
-from .transforms import Preset, linear_eval_views, view_settings
 from moco_lightning.errors import ConfigError, DataNotFoundError
+
+from .base import InMemoryDataModule
+from .transforms import Preset, view_settings
 
 
 def read_cifar_pickle(path: Path, label_key: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -43,7 +44,9 @@ def read_cifar_pickle(path: Path, label_key: str) -> Tuple[np.ndarray, np.ndarra
         raise ConfigError(f"{path}: not a CIFAR pickle (holds a {type(entry).__name__}, expected a dict)")
     entry = {k.decode() if isinstance(k, bytes) else k: v for k, v in entry.items()}
     if "data" not in entry or label_key not in entry:
-        raise ConfigError(f"{path}: not a CIFAR pickle of this dataset (keys {sorted(entry)}, expected 'data' and {label_key!r})")
+        raise ConfigError(
+            f"{path}: not a CIFAR pickle of this dataset (keys {sorted(entry)}, expected 'data' and {label_key!r})"
+        )
     data = np.asarray(entry["data"], dtype=np.uint8)
     labels = np.asarray(entry[label_key], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
@@ -59,7 +62,7 @@ class CIFAR10DataModule(InMemoryDataModule):
     Args:
         data_dir: folder holding ``cifar-10-batches-py/`` (or that folder itself).
         download: download through torchvision into ``data_dir`` when the files are missing.
-        batch_size, num_workers, seed, pretrain, train_subset, val_subset: see
+        **kwargs: batch size, workers, seed, pretrain, multi-crop, subsets: see
             :class:`~moco_lightning.datamodules.base.InMemoryDataModule`. Evaluation uses the test split.
         image_size: side of the views (32: native; larger upsamples).
         preset: view augmentation (:mod:`~moco_lightning.datamodules.transforms`); the default
@@ -82,29 +85,15 @@ class CIFAR10DataModule(InMemoryDataModule):
         self,
         data_dir: str = "data",
         download: bool = False,
-        batch_size: int = 256,
         image_size: int = 32,
-        num_workers: int = 0,
-        seed: int = 0,
-        pretrain: bool = True,
         preset: Preset = "moco_v2",
         min_scale: Optional[float] = None,
         jitter_strength: float = 1.0,
         blur: Optional[bool] = None,
-        train_subset: Optional[int] = None,
-        val_subset: Optional[int] = None,
+        **kwargs: Any,
     ) -> None:
         settings = view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur)
-        super().__init__(
-            batch_size=batch_size, image_size=image_size, num_workers=num_workers, seed=seed, pretrain=True,
-            min_scale=settings.min_scale, jitter_prob=settings.jitter_prob, gray_prob=settings.gray_prob,
-            blur_prob=settings.blur_prob[0], train_subset=train_subset, val_subset=val_subset,
-        )
-        # The base class's views are replaced by the preset's exact settings (per-view blur / solarize,
-        # v1's hue) or, for pretrain=False, by the one-view linear-evaluation views.
-        self.pretrain = pretrain
-        self.views = settings.batch_views(self.mean, self.std) if pretrain else linear_eval_views(image_size, self.mean, self.std)
-        self.view_settings = settings
+        super().__init__(settings, image_size=image_size, **kwargs)
         self.data_dir, self.download, self.preset = data_dir, download, preset
 
     # --- files --------------------------------------------------------------------------------

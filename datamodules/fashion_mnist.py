@@ -1,4 +1,5 @@
-"""Fashion-MNIST (Xiao et al. 2017, https://arxiv.org/abs/1708.07747): 60 000 + 10 000 grayscale 28x28 images, 10 classes.
+"""Fashion-MNIST (Xiao et al. 2017, https://arxiv.org/abs/1708.07747): 60 000 + 10 000 grayscale 28x28 images,
+10 classes.
 
 The library's offline default. The four IDX files are read from ``data_dir`` when given, else from
 Debian's ``dataset-fashion-mnist`` package (``/usr/share/datasets/fashion-mnist``), else downloaded
@@ -10,14 +11,16 @@ from __future__ import annotations
 import gzip
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .base import InMemoryDataModule
 from moco_lightning.errors import ConfigError, DataNotFoundError
+
+from .base import InMemoryDataModule
+from .transforms import view_settings
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 FILES = {
@@ -37,7 +40,7 @@ def read_idx(path: Path) -> np.ndarray:
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise ConfigError(f"{path}: not an unsigned-byte IDX file (bad magic number)")
     ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     start = 4 + 4 * ndim
     if len(data) - start != int(np.prod(shape)):
         raise ConfigError(f"{path}: truncated or corrupt (header says {shape}, {len(data) - start} bytes of data)")
@@ -51,7 +54,11 @@ class FashionMNISTDataModule(InMemoryDataModule):
         data_dir: folder holding the four IDX files (``.gz`` or not; also looked for in
             ``<data_dir>/FashionMNIST/raw``). None: Debian's package location.
         download: download through torchvision into ``data_dir`` when the files are missing.
-        Others: see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
+        min_scale: smallest area fraction of the random resized crop (0.2: MoCo's).
+        jitter_strength: brightness and contrast jitter (0.4: MoCo's); saturation and hue are no-ops on one channel.
+        jitter_prob: probability of colour jitter (v2: 0.8).
+        **kwargs: batch size, workers, seed, multi-crop, subsets: see
+            :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
     """
 
     num_classes = 10
@@ -63,22 +70,22 @@ class FashionMNISTDataModule(InMemoryDataModule):
         self,
         data_dir: Optional[str] = None,
         download: bool = False,
-        batch_size: int = 256,
         image_size: int = 28,
-        num_workers: int = 0,
-        seed: int = 0,
-        pretrain: bool = True,
         min_scale: float = 0.2,
         jitter_strength: float = 0.4,
         jitter_prob: float = 0.8,
-        train_subset: Optional[int] = None,
-        val_subset: Optional[int] = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            batch_size=batch_size, image_size=image_size, num_workers=num_workers, seed=seed, pretrain=pretrain,
-            min_scale=min_scale, jitter_strength=jitter_strength, jitter_prob=jitter_prob, gray_prob=0.0,
-            blur_prob=0.0, train_subset=train_subset, val_subset=val_subset,
+        # the moco_v2 preset (no blur, no grayscale on one channel) with the strengths given here
+        settings = view_settings(
+            "moco_v2",
+            image_size,
+            min_scale=min_scale,
+            jitter_strength=jitter_strength / 0.4,
+            jitter_prob=jitter_prob,
+            blur=False,
         )
+        super().__init__(settings, image_size=image_size, **kwargs)
         self.data_dir, self.download = data_dir, download
 
     def prepare_data(self) -> None:

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from .base import ImageTensorDataset, InMemoryDataModule, SeededRandomSampler
-from .transforms import Preset, linear_eval_views, view_settings
 from moco_lightning.errors import ConfigError, DataNotFoundError
+
+from .base import ImageTensorDataset, InMemoryDataModule, SeededRandomSampler
+from .transforms import Preset, view_settings
 
 IMAGE_BYTES = 3 * 96 * 96
 FILES = {
@@ -40,7 +41,9 @@ FILES = {
 }
 
 
-def read_stl10_images(path: Path, limit: Optional[int] = None, out: Optional[Tensor] = None, chunk: int = 4096) -> Tensor:
+def read_stl10_images(
+    path: Path, limit: Optional[int] = None, out: Optional[Tensor] = None, chunk: int = 4096
+) -> Tensor:
     """Reads an STL-10 ``*_X.bin`` file into uint8 (N, 3, 96, 96), at most ``limit`` images, into ``out``
     when given (its first N rows), ``chunk`` images at a time."""
     size = path.stat().st_size
@@ -56,7 +59,7 @@ def read_stl10_images(path: Path, limit: Optional[int] = None, out: Optional[Ten
         for start in range(0, n, chunk):
             k = min(chunk, n - start)
             block = np.fromfile(f, dtype=np.uint8, count=k * IMAGE_BYTES).reshape(k, 3, 96, 96)
-            out[start:start + k] = torch.from_numpy(block).transpose(2, 3)  # column-major -> (C, H, W)
+            out[start : start + k] = torch.from_numpy(block).transpose(2, 3)  # column-major -> (C, H, W)
     return out[:n]
 
 
@@ -80,8 +83,8 @@ class STL10DataModule(InMemoryDataModule):
         image_size: side of the views (96: native).
         preset, min_scale, jitter_strength, blur: view augmentation, see
             :class:`~moco_lightning.datamodules.cifar.CIFAR10DataModule` (at 96 px the preset's blur is on).
-        train_subset / val_subset: first N labelled-train / test images.
-        Others: see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
+        **kwargs: batch size, workers, seed, pretrain, multi-crop, ``train_subset`` / ``val_subset`` (the first N
+            labelled-train / test images): see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
     """
 
     num_classes = 10
@@ -93,32 +96,20 @@ class STL10DataModule(InMemoryDataModule):
         self,
         data_dir: str = "data",
         download: bool = False,
-        batch_size: int = 256,
         image_size: int = 96,
-        num_workers: int = 0,
-        seed: int = 0,
-        pretrain: bool = True,
         preset: Preset = "moco_v2",
         min_scale: Optional[float] = None,
         jitter_strength: float = 1.0,
         blur: Optional[bool] = None,
         unlabeled_subset: Optional[int] = None,
-        train_subset: Optional[int] = None,
-        val_subset: Optional[int] = None,
+        **kwargs: Any,
     ) -> None:
         if unlabeled_subset is not None and unlabeled_subset < 0:
-            raise ConfigError(f"unlabeled_subset must be None (all 100 000), 0 (none) or a positive count, got {unlabeled_subset}")
+            raise ConfigError(
+                f"unlabeled_subset must be None (all 100 000), 0 (none) or a positive count, got {unlabeled_subset}"
+            )
         settings = view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur)
-        super().__init__(
-            batch_size=batch_size, image_size=image_size, num_workers=num_workers, seed=seed, pretrain=True,
-            min_scale=settings.min_scale, jitter_prob=settings.jitter_prob, gray_prob=settings.gray_prob,
-            blur_prob=settings.blur_prob[0], train_subset=train_subset, val_subset=val_subset,
-        )
-        # The base class's views are replaced by the preset's exact settings (per-view blur / solarize,
-        # v1's hue) or, for pretrain=False, by the one-view linear-evaluation views.
-        self.pretrain = pretrain
-        self.views = settings.batch_views(self.mean, self.std) if pretrain else linear_eval_views(image_size, self.mean, self.std)
-        self.view_settings = settings
+        super().__init__(settings, image_size=image_size, **kwargs)
         self.data_dir, self.download, self.preset = data_dir, download, preset
         self.unlabeled_subset = unlabeled_subset
 
@@ -142,7 +133,8 @@ class STL10DataModule(InMemoryDataModule):
             expected = Path(self.data_dir).expanduser() / "stl10_binary"
             missing = [f for f in self._needed() if not (expected / f).is_file()]
             raise DataNotFoundError(
-                f"STL-10 not found: expected {expected}/{{{', '.join(self._needed())}}} (missing: {', '.join(missing)}), "
+                f"STL-10 not found: expected {expected}/{{{', '.join(self._needed())}}} "
+                f"(missing: {', '.join(missing)}), "
                 "the binary version from https://cs.stanford.edu/~acoates/stl10/ (stl10_binary.tar.gz, 2.6 GB). "
                 f"Set data.download=true to fetch it through torchvision into data_dir={self.data_dir!r}, or point "
                 "data.data_dir at the folder holding stl10_binary/."
@@ -156,7 +148,7 @@ class STL10DataModule(InMemoryDataModule):
             STL10(os.fspath(Path(self.data_dir).expanduser()), split="test", download=True)
 
     def load_split(self, split: str) -> Tuple[Tensor, Tensor]:
-        """"train" (labelled), "val" (test) or "unlabeled" (targets -1)."""
+        """ "train" (labelled), "val" (test) or "unlabeled" (targets -1)."""
         folder = self._folder()
         image_file, label_file = FILES[split]
         limit = self.unlabeled_subset if split == "unlabeled" else None

@@ -50,8 +50,9 @@ from typing import Callable, List, Literal, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .batch_views import BatchViews
 from moco_lightning.errors import ConfigError
+
+from .batch_views import BatchViews
 
 Preset = Literal["moco_v1", "moco_v2", "moco_v3"]
 PRESETS: Tuple[str, ...] = ("moco_v1", "moco_v2", "moco_v3")
@@ -77,6 +78,18 @@ class ViewSettings:
     solarize_prob: Tuple[float, float]
     hflip_prob: float = 0.5
     blur_sigma: Tuple[float, float] = (0.1, 2.0)  # pixels at 224 px; scaled with image_size
+    local_views: int = 0  # multi-crop: this many small views more (SwAV: 6 of 96 px at 224, scale 0.05-0.14)
+    local_size: int = 0
+    local_scale: Tuple[float, float] = (0.05, 0.14)
+
+    def with_local_views(
+        self, n: int, size: Optional[int] = None, scale: Sequence[float] = (0.05, 0.14)
+    ) -> "ViewSettings":
+        """These settings plus ``n`` local views of ``size`` px (default: 96/224 of ``image_size``, SwAV's ratio)."""
+        if n < 0:
+            raise ConfigError(f"local_views must be >= 0, got {n}")
+        size = size if size is not None else max(1, round(self.image_size * 96 / 224))
+        return replace(self, local_views=n, local_size=size, local_scale=(float(scale[0]), float(scale[1])))
 
     @property
     def sigma_pixels(self) -> Tuple[float, float]:
@@ -88,10 +101,21 @@ class ViewSettings:
     def batch_views(self, mean: Sequence[float], std: Sequence[float], n_views: int = 2) -> BatchViews:
         """A :class:`BatchViews` drawing these views for whole uint8 batches on their device."""
         return BatchViews(
-            self.image_size, min_scale=self.min_scale, hflip_prob=self.hflip_prob, jitter_prob=self.jitter_prob,
-            jitter=self.jitter, gray_prob=self.gray_prob, blur_prob=self.blur_prob[:n_views],
-            blur_sigma=self.blur_sigma, solarize_prob=self.solarize_prob[:n_views], mean=tuple(mean), std=tuple(std),
+            self.image_size,
+            min_scale=self.min_scale,
+            hflip_prob=self.hflip_prob,
+            jitter_prob=self.jitter_prob,
+            jitter=self.jitter,
+            gray_prob=self.gray_prob,
+            blur_prob=self.blur_prob[:n_views],
+            blur_sigma=self.blur_sigma,
+            solarize_prob=self.solarize_prob[:n_views],
+            mean=tuple(mean),
+            std=tuple(std),
             n_views=n_views,
+            local_views=self.local_views if n_views == 2 else 0,
+            local_size=self.local_size,
+            local_scale=self.local_scale,
         )
 
     def colour_views(self, mean: Sequence[float], std: Sequence[float]) -> "PerViewColour":
@@ -107,20 +131,46 @@ class ViewSettings:
 
         b, c, s, h = self.jitter
         common = dict(
-            input_size=self.image_size, cj_prob=self.jitter_prob, cj_strength=1.0, cj_bright=b, cj_contrast=c,
-            cj_sat=s, cj_hue=h, min_scale=self.min_scale, random_gray_scale=self.gray_prob,
-            sigmas=self.sigma_pixels, hf_prob=self.hflip_prob,
+            input_size=self.image_size,
+            cj_prob=self.jitter_prob,
+            cj_strength=1.0,
+            cj_bright=b,
+            cj_contrast=c,
+            cj_sat=s,
+            cj_hue=h,
+            min_scale=self.min_scale,
+            random_gray_scale=self.gray_prob,
+            sigmas=self.sigma_pixels,
+            hf_prob=self.hflip_prob,
             normalize={"mean": list(mean), "std": list(std)},
         )
         b1, b2 = self.blur_prob
         s1, s2 = self.solarize_prob
-        if b1 == b2 and s1 == s2 == 0:  # symmetric views: lightly's MoCo transforms
+        if b1 == b2 and s1 == s2 == 0 and not self.local_views:  # symmetric views: lightly's MoCo transforms
             cls = MoCoV1Transform if self.preset == "moco_v1" else MoCoV2Transform
             return cls(gaussian_blur=b1, **common)
-        return MultiViewTransform([
+        views = [
             BYOLView1Transform(gaussian_blur=b1, solarization_prob=s1, **common),
             BYOLView2Transform(gaussian_blur=b2, solarization_prob=s2, **common),
-        ])
+        ]
+        if self.local_views:  # the small views: the same colour, their own crop (lightly's RandomResizedCrop scale)
+            from torchvision import transforms as T
+
+            local = BYOLView1Transform(
+                gaussian_blur=(b1 + b2) / 2,
+                solarization_prob=(s1 + s2) / 2,
+                **{
+                    **common,
+                    "input_size": self.local_size,
+                    "min_scale": self.local_scale[0],
+                    "sigmas": tuple(v * self.local_size / self.image_size for v in self.sigma_pixels),
+                },
+            )
+            for i, t in enumerate(local.transform.transforms):
+                if isinstance(t, T.RandomResizedCrop):
+                    local.transform.transforms[i] = T.RandomResizedCrop(self.local_size, scale=self.local_scale)
+            views += [local] * self.local_views
+        return MultiViewTransform(views)
 
 
 def view_settings(
@@ -130,6 +180,8 @@ def view_settings(
     min_scale: Optional[float] = None,
     jitter_strength: float = 1.0,
     blur: Optional[bool] = None,
+    jitter_prob: Optional[float] = None,
+    gray_prob: Optional[float] = None,
 ) -> ViewSettings:
     """The settings of ``preset`` at ``image_size``.
 
@@ -141,6 +193,7 @@ def view_settings(
             lightly suggests 0.5 for CIFAR).
         blur: None: the preset's blur, switched off at ``image_size <= 32``; True: the preset's blur at
             any size; False: no blur.
+        jitter_prob, gray_prob: override the preset's probabilities of colour jitter and of grayscale.
     """
     if preset not in PRESETS:
         raise ConfigError(f"preset={preset!r} is not one of {list(PRESETS)}")
@@ -161,55 +214,95 @@ def view_settings(
     if jitter_strength != 1.0:
         b, c, s, h = st.jitter
         # hue is a fraction of the colour circle; torchvision caps it at 0.5
-        st = replace(st, jitter=(b * jitter_strength, c * jitter_strength, s * jitter_strength, min(h * jitter_strength, 0.5)))
+        st = replace(
+            st, jitter=(b * jitter_strength, c * jitter_strength, s * jitter_strength, min(h * jitter_strength, 0.5))
+        )
     if blur is False or (blur is None and image_size <= SMALL_IMAGE_SIZE):
         st = replace(st, blur_prob=(0.0, 0.0))
+    for name, value in (("jitter_prob", jitter_prob), ("gray_prob", gray_prob)):
+        if value is not None:
+            if not 0 <= value <= 1:
+                raise ConfigError(f"{name} must be in [0, 1], got {value}")
+            st = replace(st, **{name: float(value)})
     return st
 
 
 def batch_views(
-    preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], *,
-    min_scale: Optional[float] = None, jitter_strength: float = 1.0, blur: Optional[bool] = None,
+    preset: Preset,
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    min_scale: Optional[float] = None,
+    jitter_strength: float = 1.0,
+    blur: Optional[bool] = None,
 ) -> BatchViews:
     """The tensor-path views of ``preset`` (see :func:`view_settings` for the arguments)."""
-    return view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur).batch_views(mean, std)
+    return view_settings(
+        preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur
+    ).batch_views(mean, std)
 
 
 def pil_views(
-    preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], *,
-    min_scale: Optional[float] = None, jitter_strength: float = 1.0, blur: Optional[bool] = None,
+    preset: Preset,
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    min_scale: Optional[float] = None,
+    jitter_strength: float = 1.0,
+    blur: Optional[bool] = None,
 ) -> Callable:
     """The PIL-path views of ``preset`` (see :func:`view_settings` for the arguments)."""
-    return view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur).pil_views(mean, std)
+    return view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur).pil_views(
+        mean, std
+    )
 
 
-def moco_v1(image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs):
+def moco_v1(
+    image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs
+):
     """MoCo v1's views as lightly's ``MoCoV1Transform`` (jitter always applied, hue 0.4, no blur)."""
     return pil_views("moco_v1", image_size, mean, std, **kwargs)
 
 
-def moco_v2(image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs):
+def moco_v2(
+    image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs
+):
     """MoCo v2's views as lightly's ``MoCoV2Transform`` (blur p 0.5, off at <= 32 px)."""
     return pil_views("moco_v2", image_size, mean, std, **kwargs)
 
 
-def moco_v3(image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs):
+def moco_v3(
+    image_size: int = 224, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD, **kwargs
+):
     """MoCo v3's asymmetric views: lightly's ``BYOLView1Transform`` / ``BYOLView2Transform`` with blur
     1.0 / 0.1 and solarization 0 / 0.2 (blur off at <= 32 px)."""
     return pil_views("moco_v3", image_size, mean, std, **kwargs)
 
 
-def linear_eval_views(image_size: int, mean: Sequence[float], std: Sequence[float], min_scale: float = 0.08) -> BatchViews:
+def linear_eval_views(
+    image_size: int, mean: Sequence[float], std: Sequence[float], min_scale: float = 0.08
+) -> BatchViews:
     """The linear-evaluation protocol's training augmentation on the tensor path: one view, random resized
     crop 0.08-1 and flip, nothing else (what ``InMemoryDataModule(pretrain=False)`` means to build)."""
     return BatchViews(
-        image_size, min_scale=min_scale, jitter_prob=0.0, gray_prob=0.0, blur_prob=(0.0,), solarize_prob=(0.0,),
-        mean=tuple(mean), std=tuple(std), n_views=1,
+        image_size,
+        min_scale=min_scale,
+        jitter_prob=0.0,
+        gray_prob=0.0,
+        blur_prob=(0.0,),
+        solarize_prob=(0.0,),
+        mean=tuple(mean),
+        std=tuple(std),
+        n_views=1,
     )
 
 
 # --- evaluation transforms (PIL path) ----------------------------------------------------------
-def eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float], resize: Optional[int] = None) -> Callable:
+def eval_transform(
+    image_size: int, mean: Sequence[float], std: Sequence[float], resize: Optional[int] = None
+) -> Callable:
     """No augmentation: resize the shorter side to ``resize`` (default ``image_size / 0.875``, 256 for
     224), centre-crop ``image_size``, normalise."""
     from torchvision import transforms as T
@@ -222,12 +315,22 @@ def linear_eval_train_transform(image_size: int, mean: Sequence[float], std: Seq
     """The linear-evaluation protocol's training augmentation: random resized crop 0.08-1 and flip."""
     from torchvision import transforms as T
 
-    return T.Compose([T.RandomResizedCrop(image_size, scale=(0.08, 1.0)), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+    return T.Compose(
+        [
+            T.RandomResizedCrop(image_size, scale=(0.08, 1.0)),
+            T.RandomHorizontalFlip(),
+            T.ToTensor(),
+            T.Normalize(mean, std),
+        ]
+    )
 
 
 # --- geometric part alone, with an explicit generator (the image-folder "device" path) --------
 def random_resized_crop_box(
-    width: int, height: int, scale: Tuple[float, float], generator: torch.Generator,
+    width: int,
+    height: int,
+    scale: Tuple[float, float],
+    generator: torch.Generator,
     ratio: Tuple[float, float] = (3 / 4, 4 / 3),
 ) -> Tuple[int, int, int, int]:
     """torchvision's ``RandomResizedCrop.get_params`` drawn from ``generator``: (left, top, w, h)."""
@@ -255,26 +358,50 @@ def random_resized_crop_box(
 class PerViewColour(nn.Module):
     """Flip + colour part of a preset, per view, on views cropped beforehand.
 
-    Input: uint8 (N, V, C, H, W), V views of each image already cropped to the output size. Output:
-    a list of V normalised float views. Each view gets its own :class:`BatchViews` with the crop
-    fixed to the whole image (``min_scale = max_scale = 1``: an identity resample) and the view's
-    own blur / solarization probability.
+    Input: uint8 (N, V, C, H, W), V views of each image already cropped to the output size, or the tuple
+    ``(global views (N, V, C, H, W), local views (N, M, C, h, w))`` (multi-crop). Output: a list of V (+ M)
+    normalised float views. Each view gets its own :class:`BatchViews` with the crop fixed to the whole image
+    (``min_scale = max_scale = 1``: no resample, the flip alone) and the view's own blur / solarization
+    probability; the local views the mean of the two.
     """
 
     def __init__(self, settings: ViewSettings, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
-        self.per_view = nn.ModuleList(
-            BatchViews(
-                settings.image_size, min_scale=1.0, max_scale=1.0, hflip_prob=settings.hflip_prob,
-                jitter_prob=settings.jitter_prob, jitter=settings.jitter, gray_prob=settings.gray_prob,
-                blur_prob=(settings.blur_prob[v],), blur_sigma=settings.blur_sigma,
-                solarize_prob=(settings.solarize_prob[v],), mean=tuple(mean), std=tuple(std), n_views=1,
+
+        def colour(size: int, blur: float, solarize: float) -> BatchViews:
+            return BatchViews(
+                size,
+                min_scale=1.0,
+                max_scale=1.0,
+                hflip_prob=settings.hflip_prob,
+                jitter_prob=settings.jitter_prob,
+                jitter=settings.jitter,
+                gray_prob=settings.gray_prob,
+                blur_prob=(blur,),
+                blur_sigma=settings.blur_sigma,
+                solarize_prob=(solarize,),
+                mean=tuple(mean),
+                std=tuple(std),
+                n_views=1,
             )
-            for v in range(2)
+
+        self.per_view = nn.ModuleList(
+            colour(settings.image_size, settings.blur_prob[v], settings.solarize_prob[v]) for v in range(2)
+        )
+        self.local = (
+            colour(settings.local_size, sum(settings.blur_prob) / 2, sum(settings.solarize_prob) / 2)
+            if settings.local_views
+            else None
         )
 
     @torch.no_grad()
-    def forward(self, images: Tensor, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+    def forward(self, images, generator: Optional[torch.Generator] = None) -> List[Tensor]:
+        images, local = images if isinstance(images, (list, tuple)) else (images, None)
         if images.ndim != 5 or images.shape[1] != len(self.per_view):
-            raise ConfigError(f"expected pre-cropped views (N, {len(self.per_view)}, C, H, W), got {tuple(images.shape)}")
-        return [bv(images[:, v], generator)[0] for v, bv in enumerate(self.per_view)]
+            raise ConfigError(
+                f"expected pre-cropped views (N, {len(self.per_view)}, C, H, W), got {tuple(images.shape)}"
+            )
+        views = [bv(images[:, v], generator)[0] for v, bv in enumerate(self.per_view)]
+        if local is not None and self.local is not None:
+            views += [self.local(local[:, j], generator)[0] for j in range(local.shape[1])]
+        return views

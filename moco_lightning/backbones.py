@@ -12,6 +12,7 @@ from typing import Tuple, Union
 import torch
 import torchvision
 from torch import nn
+
 from .errors import ConfigError
 
 # Attribute holding the classifier in torchvision's model families.
@@ -24,14 +25,18 @@ def torchvision_models() -> list[str]:
 
 
 def build_backbone(
-    backbone: Union[str, nn.Module], cifar_stem: bool = False, in_channels: int = 3, image_size: int = 224,
+    backbone: Union[str, nn.Module],
+    cifar_stem: bool = False,
+    in_channels: int = 3,
+    image_size: int = 224,
     width: float = 1.0,
 ) -> Tuple[nn.Module, int]:
     """Returns ``(feature_extractor, feature_dim)``.
 
     Args:
         backbone: a torchvision model name (``"resnet18"``, ``"resnet50"``, ``"vit_b_16"``...), built
-            with random weights; ``"timm:<name>"`` for a timm model (``"timm:resnet10t"``, ``"timm:vit_small_patch16_224"``:
+            with random weights; ``"timm:<name>"`` for a timm model (``"timm:resnet10t"``,
+            ``"timm:vit_small_patch16_224"``:
             random weights, no classifier, ``in_chans`` and, for models that take it, ``img_size`` set; extra
             ``[timm]``); or an ``nn.Module`` mapping images to features (N, D).
         cifar_stem: ResNets only: 3x3 stride-1 first convolution, no max-pool (for 28-64 px images).
@@ -43,13 +48,15 @@ def build_backbone(
     if isinstance(backbone, nn.Module):
         return backbone, _probe_dim(backbone, in_channels, image_size)
     if isinstance(backbone, str) and backbone.startswith("timm:"):
-        model = _timm_model(backbone[len("timm:"):], in_channels, image_size, width)
+        model = _timm_model(backbone[len("timm:") :], in_channels, image_size, width)
         if cifar_stem:
             _cifar_stem(model, in_channels, backbone)
         return model, _probe_dim(model, in_channels, image_size)
     names = torchvision_models()
     if backbone not in names:
-        raise ConfigError(f"backbone={backbone!r} is not a torchvision classification model; use one of {names} or pass an nn.Module")
+        raise ConfigError(
+            f"backbone={backbone!r} is not a torchvision classification model; use one of {names} or pass an nn.Module"
+        )
     if width <= 0:
         raise ConfigError(f"width must be > 0, got {width}")
     kwargs = {"image_size": image_size} if backbone.startswith("vit_") else {}
@@ -69,7 +76,9 @@ def build_backbone(
             setattr(model, attr, nn.Identity())
             break
     else:
-        raise ConfigError(f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead")
+        raise ConfigError(
+            f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead"
+        )
     return model, dim if dim is not None else _probe_dim(model, in_channels, image_size)
 
 
@@ -77,10 +86,13 @@ def _cifar_stem(model: nn.Module, in_channels: int, name: str) -> None:
     """The official CIFAR demo's stem: a 3x3 stride-1 first convolution and no max-pool. A deep stem (timm's
     ``resnet*d``/``*t``: three 3x3 convolutions) keeps its convolutions, the first at stride 1."""
     conv1 = getattr(model, "conv1", None)
-    first = next((m for m in conv1.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(conv1, nn.Module) else None
+    first = (
+        next((m for m in conv1.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(conv1, nn.Module) else None
+    )
     if first is None or not hasattr(model, "maxpool"):
-        raise ConfigError(f"cifar_stem=True applies to ResNet-style backbones (a conv1 stem + maxpool); {name!r} "
-                          "has none")
+        raise ConfigError(
+            f"cifar_stem=True applies to ResNet-style backbones (a conv1 stem + maxpool); {name!r} has none"
+        )
     if isinstance(conv1, nn.Conv2d):
         model.conv1 = nn.Conv2d(in_channels, conv1.out_channels, 3, 1, 1, bias=False)
     else:
@@ -96,11 +108,15 @@ def _timm_model(name: str, in_channels: int, image_size: int, width: float) -> n
         raise ConfigError(f"backbone='timm:{name}' needs timm: pip install 'moco-lightning[timm]'") from None
     if not timm.is_model(name):
         close = timm.list_models(f"*{name.split('_')[0]}*")[:10]
-        raise ConfigError(f"backbone='timm:{name}': timm {timm.__version__} has no model {name!r}"
-                          + (f"; similar: {close}" if close else "; see timm.list_models()"))
+        raise ConfigError(
+            f"backbone='timm:{name}': timm {timm.__version__} has no model {name!r}"
+            + (f"; similar: {close}" if close else "; see timm.list_models()")
+        )
     if width != 1.0:
-        raise ConfigError(f"width={width} applies to torchvision's resnetNN backbones; timm models have their own "
-                          "width variants (e.g. timm:resnet18d, timm:mobilenetv3_small_050)")
+        raise ConfigError(
+            f"width={width} applies to torchvision's resnetNN backbones; timm models have their own "
+            "width variants (e.g. timm:resnet18d, timm:mobilenetv3_small_050)"
+        )
     kwargs = dict(pretrained=False, num_classes=0, in_chans=in_channels)
     try:  # ViTs and other fixed-size models take the image size; most convolutional ones do not
         return timm.create_model(name, img_size=image_size, **kwargs)
@@ -116,8 +132,16 @@ class ViT(torchvision.models.VisionTransformer):
     Use it from a config as ``backbone: {class_path: moco_lightning.backbones.ViT, init_args: {...}}``.
     """
 
-    def __init__(self, image_size: int = 32, patch_size: int = 4, in_channels: int = 3, num_layers: int = 12,
-                 num_heads: int = 6, hidden_dim: int = 384, mlp_dim: int = 1536) -> None:
+    def __init__(
+        self,
+        image_size: int = 32,
+        patch_size: int = 4,
+        in_channels: int = 3,
+        num_layers: int = 12,
+        num_heads: int = 6,
+        hidden_dim: int = 384,
+        mlp_dim: int = 1536,
+    ) -> None:
         if image_size % patch_size:
             raise ConfigError(f"ViT: image_size={image_size} must be a multiple of patch_size={patch_size}")
         super().__init__(image_size, patch_size, num_layers, num_heads, hidden_dim, mlp_dim)
@@ -153,10 +177,20 @@ def _replace_first_conv(model: nn.Module, in_channels: int) -> None:
     for parent in model.modules():
         for name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
-                setattr(parent, name, nn.Conv2d(
-                    in_channels, child.out_channels, child.kernel_size, child.stride, child.padding,
-                    child.dilation, child.groups, child.bias is not None,
-                ))
+                setattr(
+                    parent,
+                    name,
+                    nn.Conv2d(
+                        in_channels,
+                        child.out_channels,
+                        child.kernel_size,
+                        child.stride,
+                        child.padding,
+                        child.dilation,
+                        child.groups,
+                        child.bias is not None,
+                    ),
+                )
                 return
     raise ConfigError("in_channels != 3 needs a first nn.Conv2d to rebuild; the backbone has none")
 

@@ -24,10 +24,14 @@ FORMAT_VERSION = 2  # bumped when the layout of the saved state changes
 
 
 def rng_states() -> dict:
-    """This process's global RNG states, as CPU tensors and plain types (``torch.load(weights_only=True)`` reads them)."""
+    """This process's global RNG states, as CPU tensors and plain types (``torch.load(weights_only=True)`` reads
+    them)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    states = {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
-              "python": random.getstate()}
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         states["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
     return states
@@ -74,7 +78,8 @@ def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
     if len(saved) != world_size():
         warnings.warn(
             f"the checkpoint holds the RNG states of {len(saved)} process(es) and this run has {world_size()}: "
-            "ranks without saved states start new random streams", stacklevel=2,
+            "ranks without saved states start new random streams",
+            stacklevel=2,
         )
         return saved[rank()] if rank() < len(saved) else None
     return saved[rank()]
@@ -82,8 +87,11 @@ def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
 
 def check_structure(saved: Mapping, current: Mapping, fields: Iterable[str], who: str) -> None:
     """One error naming every structural hyper-parameter in which a checkpoint and a model differ."""
-    differ = [f"{k}: checkpoint {saved[k]!r}, model {current[k]!r}" for k in fields
-              if k in saved and k in current and saved[k] != current[k]]
+    differ = [
+        f"{k}: checkpoint {saved[k]!r}, model {current[k]!r}"
+        for k in fields
+        if k in saved and k in current and saved[k] != current[k]
+    ]
     if differ:
         raise ConfigError(
             f"{who}: the checkpoint does not fit this model (" + "; ".join(differ) + "). Build the model with the "

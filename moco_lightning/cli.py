@@ -51,10 +51,9 @@ class MoCoCLI(LightningCLI):
         sub = self.subcommand
         if sub is None or self._given_model is None:
             return
-        saved = _plain(self.config[sub]["model"])
-        structural = set(getattr(self.model_class, "STRUCTURAL", ()))
-        differ = {k: (self._given_model[k], saved[k]) for k in saved
-                  if k in self._given_model and self._given_model[k] != saved[k]}
+        saved, given = _init_args(_plain(self.config[sub]["model"])), _init_args(self._given_model)
+        structural = set(getattr(_model_class(self._given_model, self.model_class), "STRUCTURAL", ()))
+        differ = {k: (given[k], saved[k]) for k in saved if k in given and given[k] != saved[k]}
         wrong = {k: v for k, v in differ.items() if k in structural}
         if wrong:
             raise ConfigError(
@@ -65,8 +64,10 @@ class MoCoCLI(LightningCLI):
         if differ:
             warnings.warn(
                 f"resuming from {self.config[sub]['ckpt_path']}: the checkpoint's model settings are used, these "
-                "configured values are ignored: " + "; ".join(
-                    f"{k}: config {g!r}, checkpoint {s!r}" for k, (g, s) in sorted(differ.items())), stacklevel=2)
+                "configured values are ignored: "
+                + "; ".join(f"{k}: config {g!r}, checkpoint {s!r}" for k, (g, s) in sorted(differ.items())),
+                stacklevel=2,
+            )
 
     def after_fit(self) -> None:
         metrics = {k: float(v) for k, v in sorted(self.trainer.callback_metrics.items()) if v.numel() == 1}
@@ -80,8 +81,10 @@ class MoCoCLI(LightningCLI):
                 print(f"  {name:<{width}}  {value:.4g}")
         skipped = getattr(self.datamodule, "bad_images", None)
         if skipped:
-            print(f"Skipped {len(skipped)} unreadable image(s) (skip_bad_images): {', '.join(skipped[:5])}"
-                  + (", ..." if len(skipped) > 5 else ""))
+            print(
+                f"Skipped {len(skipped)} unreadable image(s) (skip_bad_images): {', '.join(skipped[:5])}"
+                + (", ..." if len(skipped) > 5 else "")
+            )
         if metrics and log_dir:
             print(f"TensorBoard: tensorboard --logdir {log_dir}")
 
@@ -93,8 +96,11 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
     first logger (Lightning's default: ``<default_root_dir>/lightning_logs``); the logger is pointed at the version
     found, so the resumed run goes on logging into it."""
     trainer = config["trainer"]
-    dirpaths = [_get(_get(cb, "init_args") or {}, "dirpath") for cb in (trainer.get("callbacks") or [])
-                if str(_get(cb, "class_path") or "").endswith("ModelCheckpoint")]
+    dirpaths = [
+        _get(_get(cb, "init_args") or {}, "dirpath")
+        for cb in (trainer.get("callbacks") or [])
+        if str(_get(cb, "class_path") or "").endswith("ModelCheckpoint")
+    ]
     found = [p for d in dirpaths if d for p in Path(d).glob("last*.ckpt")]
     if found:
         return str(max(found, key=lambda p: p.stat().st_mtime))
@@ -112,22 +118,45 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
     base = Path(save_dir) / name if name else Path(save_dir)
     found = [p for p in base.glob("version_*/checkpoints/last*.ckpt")] + list(base.glob("checkpoints/last*.ckpt"))
     if not found:
-        print(f"moco-lightning: --ckpt_path last: no last.ckpt under {base} (version_*/checkpoints): starting a new run",
-              file=sys.stderr, flush=True)
+        print(
+            f"moco-lightning: --ckpt_path last: no last.ckpt under {base} (version_*/checkpoints): starting a new run",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     newest = max(found, key=lambda p: p.stat().st_mtime)
     version = newest.parent.parent.name
     if version.startswith("version_") and first not in (None, True, False):
-        v = version[len("version_"):]
+        v = version[len("version_") :]
         args["version"] = int(v) if v.isdigit() else version
     elif version.startswith("version_") and first in (None, True):
         from jsonargparse import Namespace
 
-        v = version[len("version_"):]
-        trainer["logger"] = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=Namespace(
-            save_dir=str(save_dir), name=name, version=int(v) if v.isdigit() else version))
+        v = version[len("version_") :]
+        trainer["logger"] = Namespace(
+            class_path="lightning.pytorch.loggers.TensorBoardLogger",
+            init_args=Namespace(save_dir=str(save_dir), name=name, version=int(v) if v.isdigit() else version),
+        )
     print(f"moco-lightning: --ckpt_path last: resuming {newest}", file=sys.stderr, flush=True)
     return str(newest)
+
+
+def _init_args(model: dict) -> dict:
+    """The constructor arguments of a model config, with or without ``class_path``/``init_args``."""
+    args = dict(model.get("init_args", model)) if isinstance(model, dict) else {}
+    if isinstance(model, dict) and "class_path" in model:
+        args["class_path"] = model["class_path"]
+    return args
+
+
+def _model_class(model: dict, default: type) -> type:
+    path = model.get("class_path") if isinstance(model, dict) else None
+    if not path:
+        return default
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name, default)
 
 
 def _get(ns: Any, key: str) -> Any:
@@ -157,17 +186,27 @@ def main(args: Optional[list[str]] = None) -> None:
 
 
 def run_cli(model_class: type, args: Optional[list[str]] = None) -> Optional[MoCoCLI]:
-    """Lightning's CLI over ``model_class`` and any datamodule (``data: class_path: ...``)."""
+    """Lightning's CLI over ``model_class`` or any subclass (``model: class_path: moco_lightning.MoCoV3``; without a
+    class_path, ``model_class`` itself) and any datamodule (``data: class_path: ...``)."""
     from moco_lightning.datamodules.image_folder import BadImageError
 
     try:
-        return MoCoCLI(model_class, LightningDataModule, subclass_mode_data=True, save_config_kwargs={"overwrite": True},
-                       args=args)
-    except (ConfigError, BadImageError) as e:
-        if os.environ.get("MOCO_LIGHTNING_DEBUG"):
+        return MoCoCLI(
+            model_class,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+        )
+    except Exception as e:
+        cause = e  # jsonargparse wraps a constructor's error in its own ValueError: look down the chain
+        while cause is not None and not isinstance(cause, (ConfigError, BadImageError)):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None or os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
         prog = "moco-lightning" if model_class is MoCo else f"python -m {model_class.__module__}"
-        sys.stderr.write(f"{prog}: error: {e}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
+        sys.stderr.write(f"{prog}: error: {cause}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
         sys.exit(2)
 
 

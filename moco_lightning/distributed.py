@@ -54,7 +54,7 @@ def gather_keeping_local_grad(x: Tensor, equal_sizes: bool = False) -> tuple[Ten
     counts = _counts(x.shape[0], equal_sizes)
     offset = sum(counts[: rank()])
     everything = _gather_rows(x.detach(), counts)
-    return torch.cat([everything[:offset], x, everything[offset + x.shape[0]:]]), offset
+    return torch.cat([everything[:offset], x, everything[offset + x.shape[0] :]]), offset
 
 
 @torch.no_grad()
@@ -71,7 +71,7 @@ def shuffle_across_ranks(
     x_all = _gather_rows(x, counts) if len(counts) > 1 else x
     perm = torch.randperm(x_all.shape[0], generator=generator, device=x.device)
     offset = sum(counts[: rank()])
-    mine = perm[offset: offset + x.shape[0]]
+    mine = perm[offset : offset + x.shape[0]]
     return x_all[mine], (perm, counts)
 
 
@@ -83,7 +83,7 @@ def unshuffle_across_ranks(y: Tensor, state: tuple[Tensor, list[int]]) -> Tensor
     restored = torch.empty_like(y_all)
     restored[perm] = y_all
     offset = sum(counts[: rank()])
-    return restored[offset: offset + y.shape[0]]
+    return restored[offset : offset + y.shape[0]]
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -1,5 +1,13 @@
-"""The library's error types for bad input: a setting or a file that is wrong, with a message saying which and
-what to do. The command line prints these as one ``error:`` line (exit code 2) instead of a traceback."""
+"""The library's error types for bad input, and the argument checks that raise them.
+
+A setting or a file that is wrong gets a message saying which and what to do. The command line prints these as
+one ``error:`` line (exit code 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Callable, Literal, Mapping
 
 
 class ConfigError(ValueError):
@@ -8,3 +16,37 @@ class ConfigError(ValueError):
 
 class DataNotFoundError(ConfigError, FileNotFoundError):
     """A dataset, folder or checkpoint that is not where the settings say."""
+
+
+#: the range rules of :func:`check_arguments`: (test, what the message says is allowed)
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "> 0": (lambda v: v > 0, "a number > 0"),
+    ">= 0": (lambda v: v >= 0, "a number >= 0"),
+    "[0, 1]": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "[0, 1)": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "int >= 0": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "int >= 1": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "ints >= 0": (lambda v: all(isinstance(m, int) and m >= 0 for m in v), "a list of integers >= 0"),
+}
+
+
+def check_arguments(owner: str, init: Callable, args: Mapping[str, Any], ranges: Mapping[str, str]) -> None:
+    """One clear error for the first bad argument, naming it and what is allowed.
+
+    The choices of ``Literal``-typed parameters come from ``init``'s signature (not listed again here); ``ranges``
+    maps parameters to a rule of :data:`RULES` (those not in ``args`` are skipped)."""
+    hints = typing.get_type_hints(init)
+    for name, hint in hints.items():
+        if typing.get_origin(hint) is Literal and name in args and args[name] not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise ConfigError(f"{owner}: {name}={args[name]!r} is not allowed; {name} must be one of {choices}")
+    for name, rule in ranges.items():
+        if name not in args:  # checked by the class that takes it (the base classes check their own)
+            continue
+        ok, allowed = RULES[rule]
+        try:
+            valid = ok(args[name])
+        except TypeError:
+            valid = False
+        if not valid:
+            raise ConfigError(f"{owner}: {name}={args[name]!r} is not allowed; {name} must be {allowed}")

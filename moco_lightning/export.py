@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal, Optional, Sequence
 
 import torch
+
 from .errors import ConfigError, DataNotFoundError
 
 PREFIX = {"query": "backbone.", "key": "key_backbone."}
@@ -30,12 +31,14 @@ def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] 
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # not a torch file at all: UnpicklingError, RuntimeError (zip), EOFError (truncated)...
-        raise ConfigError(f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}). Pass "
-                          "a .ckpt file written by `moco-lightning fit` (under <run>/checkpoints/)") from None
+        raise ConfigError(
+            f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}). Pass "
+            "a .ckpt file written by `moco-lightning fit` (under <run>/checkpoints/)"
+        ) from None
     if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
         raise ConfigError(f"{path} is not a moco-lightning MoCo checkpoint (no 'moco_lightning' / 'state_dict' entry)")
     prefix = PREFIX[encoder]
-    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state:
         raise ConfigError(f"{path}: no '{prefix}*' weights in the checkpoint's state_dict")
     return state
@@ -50,7 +53,9 @@ def export_backbone(ckpt_path: str | Path, out_path: str | Path, encoder: Litera
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="moco-lightning export", description="Write a MoCo checkpoint's backbone as a plain state dict.")
+    parser = argparse.ArgumentParser(
+        prog="moco-lightning export", description="Write a MoCo checkpoint's backbone as a plain state dict."
+    )
     parser.add_argument("--ckpt", required=True, help="MoCo checkpoint (.ckpt)")
     parser.add_argument("--out", required=True, help="where to write the state dict (.pt)")
     parser.add_argument("--encoder", choices=("query", "key"), default="query", help="which encoder (default: query)")

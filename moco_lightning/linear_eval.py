@@ -45,7 +45,7 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
     state = obj.get("state_dict", obj) if isinstance(obj, dict) else obj
     if not isinstance(state, dict):
         raise ConfigError(f"{path}: expected a state dict or a Lightning checkpoint, got {type(state).__name__}")
-    prefixed = {k[len("backbone."):]: v for k, v in state.items() if k.startswith("backbone.")}
+    prefixed = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
     backbone.load_state_dict(prefixed if prefixed else state, strict=True)
 
 
@@ -118,7 +118,9 @@ class LinearClassifier(LightningModule):
         if schedule not in ("step", "cosine"):
             raise ConfigError(f"schedule={schedule!r}: use 'step' (the paper's) or 'cosine'")
         if lr <= 0 or weight_decay < 0 or not 0 <= momentum < 1:
-            raise ConfigError(f"need lr > 0, weight_decay >= 0, 0 <= momentum < 1; got {lr}, {weight_decay}, {momentum}")
+            raise ConfigError(
+                f"need lr > 0, weight_decay >= 0, 0 <= momentum < 1; got {lr}, {weight_decay}, {momentum}"
+            )
         if ckpt_path is not None and backbone_state_dict is not None:
             raise ConfigError("give either ckpt_path or backbone_state_dict, not both")
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
@@ -217,7 +219,9 @@ class LinearClassifier(LightningModule):
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        optimizer = torch.optim.SGD(self.head.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        optimizer = torch.optim.SGD(
+            self.head.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
+        )
         if hp.schedule == "cosine":
             epochs = self.trainer.max_epochs
             if epochs is None or epochs < 1:

@@ -28,13 +28,14 @@ class MemoryBank(nn.Module):
         """The stored features of the batch's images (their positive keys), without gradient.
 
         The index range is checked on the first call (a clear error instead of a device-side assert on a GPU) and
-        then on the CPU only: on an accelerator a check every step would stall it, and ``MoCo`` also checks
+        then on the CPU only: on an accelerator a check every step would stall it, and ``MemoryBankMoCo`` also checks
         ``memory_bank_size`` against a sized training set once, at fit start."""
         if index.numel() and (index.device.type == "cpu" or not self._checked):
             self._checked = True
-            if int(index.max()) >= self.size or int(index.min()) < 0:
+            bad = int(index.max()) if int(index.max()) >= self.size else int(index.min())
+            if not 0 <= bad < self.size:
                 raise IndexError(
-                    f"MemoryBank: image index {int(index.max()) if int(index.max()) >= self.size else int(index.min())} "
+                    f"MemoryBank: image index {bad} "
                     f"is outside the bank of {self.size} rows; set memory_bank_size to the number of training images"
                 )
         return self.features[index].detach()

@@ -38,7 +38,7 @@ class KeyQueue(nn.Module):
             return
         n = keys.shape[0]
         if n > self.size:
-            keys = keys[n - self.size:]
+            keys = keys[n - self.size :]
         start = self.ptr + max(n - self.size, 0)
         slots = (start + torch.arange(keys.shape[0], device=keys.device)) % self.size
         self.keys[slots] = keys.to(self.keys.dtype)

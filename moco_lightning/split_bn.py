@@ -10,9 +10,13 @@ and parameter shapes, so checkpoints and exported backbones stay plain torchvisi
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
 from .errors import ConfigError
 
 
@@ -40,11 +44,21 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         # Sub-batches are contiguous slices in either memory format: normalising each slice with the fused
         # kernel needs no rearranged copy of the activations (one concatenation, and channels-last stays so).
         stats = (self.running_mean.repeat(s, 1), self.running_var.repeat(s, 1)) if self.track_running_stats else None
-        y = torch.cat([
-            F.batch_norm(chunk, stats[0][j] if stats else None, stats[1][j] if stats else None,
-                         self.weight, self.bias, True, momentum, self.eps)
-            for j, chunk in enumerate(x.chunk(s))
-        ])
+        y = torch.cat(
+            [
+                F.batch_norm(
+                    chunk,
+                    stats[0][j] if stats else None,
+                    stats[1][j] if stats else None,
+                    self.weight,
+                    self.bias,
+                    True,
+                    momentum,
+                    self.eps,
+                )
+                for j, chunk in enumerate(x.chunk(s))
+            ]
+        )
         if stats is not None:  # the running statistics move by the average of the sub-batches' statistics
             with torch.no_grad():
                 self.running_mean.copy_(stats[0].mean(0))
@@ -57,15 +71,25 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
 
 def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
     """Replaces every BatchNorm2d in ``module`` by a SplitBatchNorm2d with the same parameters and buffers."""
-    if type(module) is not nn.BatchNorm2d and isinstance(module, nn.BatchNorm2d) and not isinstance(module, SplitBatchNorm2d):
+    if (
+        type(module) is not nn.BatchNorm2d
+        and isinstance(module, nn.BatchNorm2d)
+        and not isinstance(module, SplitBatchNorm2d)
+    ):
         raise ConfigError(
             f"split BatchNorm: {type(module).__name__} is a BatchNorm2d subclass with behaviour of its own (timm's "
             "BatchNormAct2d fuses an activation): it cannot be split; use a backbone with plain BatchNorm2d, or "
             "shuffle_bn='off' (no protection against the BatchNorm shortcut) or 'ddp' on several devices"
         )
     if type(module) is nn.BatchNorm2d:
-        split = SplitBatchNorm2d(module.num_features, num_splits, eps=module.eps, momentum=module.momentum,
-                                 affine=module.affine, track_running_stats=module.track_running_stats)
+        split = SplitBatchNorm2d(
+            module.num_features,
+            num_splits,
+            eps=module.eps,
+            momentum=module.momentum,
+            affine=module.affine,
+            track_running_stats=module.track_running_stats,
+        )
         split.load_state_dict(module.state_dict())
         split.train(module.training)
         if module.affine:
@@ -80,8 +104,13 @@ def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
 def revert_split_bn(module: nn.Module) -> nn.Module:
     """The inverse of :func:`convert_split_bn`: every SplitBatchNorm2d back to a BatchNorm2d with the same state."""
     if isinstance(module, SplitBatchNorm2d):
-        plain = nn.BatchNorm2d(module.num_features, eps=module.eps, momentum=module.momentum, affine=module.affine,
-                               track_running_stats=module.track_running_stats)
+        plain = nn.BatchNorm2d(
+            module.num_features,
+            eps=module.eps,
+            momentum=module.momentum,
+            affine=module.affine,
+            track_running_stats=module.track_running_stats,
+        )
         plain.load_state_dict(module.state_dict())
         plain.train(module.training)
         if module.affine:
@@ -91,3 +120,32 @@ def revert_split_bn(module: nn.Module) -> nn.Module:
     for name, child in module.named_children():
         setattr(module, name, revert_split_bn(child))
     return module
+
+
+def shuffle_mode(requested: str, backbone: nn.Module, trainer: Any) -> str:
+    """The shuffle-BN mode to use: ``"auto"`` is ``"ddp"`` with several processes, ``"split"`` on one, ``"off"``
+    for a backbone without BatchNorm."""
+    mode = requested
+    if mode == "auto":
+        has_bn = any(isinstance(m, nn.BatchNorm2d) for m in backbone.modules())
+        mode = "off" if not has_bn else "ddp" if trainer.world_size > 1 else "split"
+    if mode == "ddp" and trainer.world_size == 1:
+        raise ConfigError(
+            "MoCo: shuffle_bn='ddp' needs a distributed run (world size > 1); use 'split' or 'auto' on one device"
+        )
+    if mode != "off" and getattr(trainer.strategy, "_layer_sync", None) is not None:
+        warnings.warn(
+            "MoCo: sync_batchnorm=True computes BN statistics over the global batch, which defeats "
+            f"shuffle_bn={mode!r} for MoCo v1/v2; turn one of them off",
+            stacklevel=2,
+        )
+    return mode
+
+
+def check_bn_splits(bn_splits: int, per_device: int) -> None:
+    if per_device % bn_splits:
+        raise ConfigError(
+            f"MoCo: bn_splits={bn_splits} does not divide the per-device batch of {per_device} images (the training "
+            f"loader's batch_size, data.batch_size): split BatchNorm needs equal sub-batches; set model.bn_splits to "
+            f"a divisor of {per_device}, or data.batch_size to a multiple of {bn_splits}"
+        )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite.
+# Set up (if needed), check lint and formatting with ruff, and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
+.venv/bin/ruff check . && .venv/bin/ruff format --check .   # lint and format (pyproject.toml), enforced by CI
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

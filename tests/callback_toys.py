@@ -32,7 +32,9 @@ class ToyData(LightningDataModule):
     mean = (0.3,)
     std = (0.4,)
 
-    def __init__(self, n_train: int = 48, n_val: int = 24, batch_size: int = 8, num_classes: int = 3, size: int = 8) -> None:
+    def __init__(
+        self, n_train: int = 48, n_val: int = 24, batch_size: int = 8, num_classes: int = 3, size: int = 8
+    ) -> None:
         super().__init__()
         self.num_classes, self.batch_size, self.size = num_classes, batch_size, size
         self.train_x, self.train_y = toy_images(n_train, num_classes, size, seed=1)
@@ -74,9 +76,14 @@ class TinyNet(LightningModule):
     def __init__(self, return_features: bool = False, train_backbone: bool = True) -> None:
         super().__init__()
         self.backbone = nn.Sequential(
-            nn.Conv2d(1, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(1, 8, 3, 1, 1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, 2, 1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Linear(16, 8)
         self.dummy = nn.Parameter(torch.zeros(1))
@@ -132,7 +139,16 @@ class RecordingLogger(Logger):
 
 
 def trainer(**kwargs: Any) -> Trainer:
-    args = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
     args.update(kwargs)
     return Trainer(**args)

@@ -20,9 +20,14 @@ warnings.filterwarnings("ignore", ".*LeafSpec.*")
 def tiny_backbone(in_channels: int = 1) -> nn.Module:
     """A 2-layer conv net returning 16-d features: small enough for exact, fast tests."""
     return nn.Sequential(
-        nn.Conv2d(in_channels, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(in_channels, 8, 3, 2, 1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, 2, 1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
     )
 
 
@@ -30,9 +35,26 @@ def tiny_moco(cls=None, **kwargs):
     from moco_lightning import MoCo
 
     cls = cls or MoCo
-    args = dict(backbone=tiny_backbone(), in_channels=1, image_size=28, head="mlp", hidden_dim=32, dim=8,
-                queue_size=32, momentum=0.9, temperature=0.2, lr=0.06, lr_schedule="constant",
-                shuffle_bn="off")
+    args = dict(
+        backbone=tiny_backbone(),
+        in_channels=1,
+        image_size=28,
+        head="mlp",
+        hidden_dim=32,
+        dim=8,
+        queue_size=32,
+        momentum=0.9,
+        temperature=0.2,
+        lr=0.06,
+        lr_schedule="constant",
+        shuffle_bn="off",
+    )
+    if cls.__name__ in ("EndToEnd", "MemoryBankMoCo"):  # no queue, no key encoder: their own arguments
+        args.pop("queue_size")
+        args.pop("momentum")
+    if cls.__name__ == "MoCoV3":  # v3's own heads, no queue
+        args.pop("head")
+        args.pop("queue_size")
     args.update(kwargs)
     return cls(**args)
 
@@ -46,8 +68,16 @@ def tiny_data(**kwargs):
 
 
 def cpu_trainer(**kwargs) -> Trainer:
-    args = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    args = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     args.update(kwargs)
     return Trainer(**args)
 

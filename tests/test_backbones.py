@@ -49,10 +49,13 @@ def test_any_module_feature_size_is_probed_and_bad_modules_are_explained():
         build_backbone("mobilenet_v3_small", cifar_stem=True)
 
 
-@pytest.mark.parametrize("name,kwargs,dim", [
-    ("timm:resnet10t", dict(in_channels=1, image_size=28, cifar_stem=True), 512),
-    ("timm:vit_tiny_patch16_224", dict(in_channels=1, image_size=32), 192),
-])
+@pytest.mark.parametrize(
+    "name,kwargs,dim",
+    [
+        ("timm:resnet10t", dict(in_channels=1, image_size=28, cifar_stem=True), 512),
+        ("timm:vit_tiny_patch16_224", dict(in_channels=1, image_size=32), 192),
+    ],
+)
 def test_timm_backbones_build_with_random_weights_and_no_classifier(name, kwargs, dim):
     model, feature_dim = build_backbone(name, **kwargs)
     assert feature_dim == dim

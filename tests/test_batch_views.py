@@ -44,10 +44,14 @@ def test_crop_scale_ratio_and_flip_follow_torchvision():
     assert abs(flipped.float().mean().item() - 0.5) < 0.03
     # same area distribution as torchvision's RandomResizedCrop sampling on a square image
     torch.manual_seed(0)
-    tv_area = torch.tensor([
-        (lambda t: t[2] * t[3] / size**2)(RandomResizedCrop.get_params(torch.empty(3, size, size), (0.2, 1.0), (3 / 4, 4 / 3)))
-        for _ in range(n)
-    ])
+    tv_area = torch.tensor(
+        [
+            (lambda t: t[2] * t[3] / size**2)(
+                RandomResizedCrop.get_params(torch.empty(3, size, size), (0.2, 1.0), (3 / 4, 4 / 3))
+            )
+            for _ in range(n)
+        ]
+    )
     for q in (0.1, 0.25, 0.5, 0.75, 0.9):
         assert abs(area.quantile(q).item() - tv_area.quantile(q).item()) < 0.03, q
     # crops sit anywhere: the centres cover the image
@@ -64,14 +68,15 @@ def test_scale_one_keeps_the_whole_image_and_normalises_exactly():
     assert torch.allclose(v1, expected, atol=1e-5) and torch.allclose(v2, expected, atol=1e-5)
     # uint8 and float inputs are the same images
     (vf,) = BatchViews(16, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, mean=mean, std=std, **ONE)(
-        x.float() / 255, torch.Generator().manual_seed(0))
+        x.float() / 255, torch.Generator().manual_seed(0)
+    )
     assert torch.allclose(vf, v1, atol=1e-5)
 
 
 def test_normalised_statistics_of_augmented_views():
     """Views of images with the dataset's statistics come out roughly zero-mean, unit-std."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.rand(512, 1, 28, 28, generator=g) * 0.6 + 0.1)  # mean 0.4, std 0.17
+    x = torch.rand(512, 1, 28, 28, generator=g) * 0.6 + 0.1  # mean 0.4, std 0.17
     mean, std = x.mean().item(), x.std().item()
     bv = BatchViews(28, jitter=(0.4, 0.4, 0.0, 0.0), mean=(mean,), std=(std,))
     v1, v2 = bv(x, g)
@@ -99,8 +104,17 @@ def test_same_generator_seed_same_views_and_the_generator_advances():
 def test_jitter_probability_and_brightness_range():
     n = 4000
     x = torch.full((n, 3, 4, 4), 0.5)
-    bv = BatchViews(4, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.8, jitter=(0.4, 0.0, 0.0, 0.0), gray_prob=0.0,
-                    mean=(0.0,) * 3, std=(1.0,) * 3, **ONE)
+    bv = BatchViews(
+        4,
+        min_scale=1.0,
+        hflip_prob=0.0,
+        jitter_prob=0.8,
+        jitter=(0.4, 0.0, 0.0, 0.0),
+        gray_prob=0.0,
+        mean=(0.0,) * 3,
+        std=(1.0,) * 3,
+        **ONE,
+    )
     (v,) = bv(x, torch.Generator().manual_seed(0))
     factor = v[:, 0, 0, 0] / 0.5
     changed = (factor - 1).abs() > 1e-4
@@ -119,16 +133,32 @@ def test_grayscale_probability_and_hue_keeps_grays():
     assert abs(gray.float().mean().item() - 0.2) < 0.03
     # a hue rotation leaves gray pixels gray
     grays = torch.rand(64, 1, 4, 4, generator=g).expand(64, 3, 4, 4)
-    hue = BatchViews(4, min_scale=1.0, hflip_prob=0.0, jitter_prob=1.0, jitter=(0.0, 0.0, 0.0, 0.5), gray_prob=0.0,
-                     mean=(0.0,) * 3, std=(1.0,) * 3, **ONE)
+    hue = BatchViews(
+        4,
+        min_scale=1.0,
+        hflip_prob=0.0,
+        jitter_prob=1.0,
+        jitter=(0.0, 0.0, 0.0, 0.5),
+        gray_prob=0.0,
+        mean=(0.0,) * 3,
+        std=(1.0,) * 3,
+        **ONE,
+    )
     (h,) = hue(grays, g)
     assert torch.allclose(h, grays, atol=1e-5)
 
 
 def test_one_channel_images():
     x = torch.randint(0, 256, (8, 1, 28, 28), dtype=torch.uint8)
-    bv = BatchViews(28, jitter=(0.4, 0.4, 0.4, 0.1), gray_prob=0.2, blur_prob=(1.0, 0.0), solarize_prob=(0.0, 1.0),
-                    mean=(0.5,), std=(0.5,))
+    bv = BatchViews(
+        28,
+        jitter=(0.4, 0.4, 0.4, 0.1),
+        gray_prob=0.2,
+        blur_prob=(1.0, 0.0),
+        solarize_prob=(0.0, 1.0),
+        mean=(0.5,),
+        std=(0.5,),
+    )
     v1, v2 = bv(x, torch.Generator().manual_seed(0))
     assert v1.shape == v2.shape == (8, 1, 28, 28) and torch.isfinite(v1).all() and torch.isfinite(v2).all()
 
@@ -137,8 +167,18 @@ def test_v3_asymmetric_blur_and_solarize_probabilities_per_view():
     """MoCo v3: view 1 always blurred, never solarized; view 2 blurred with p 0.1, solarized with p 0.2."""
     n, size = 1000, 32
     g = torch.Generator().manual_seed(0)
-    bv = BatchViews(size, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, blur_prob=(1.0, 0.1),
-                    blur_sigma=(10.0, 10.0), solarize_prob=(0.0, 0.2), mean=(0.0,), std=(1.0,))  # 1.4 px at 32 px
+    bv = BatchViews(
+        size,
+        min_scale=1.0,
+        hflip_prob=0.0,
+        jitter_prob=0.0,
+        gray_prob=0.0,
+        blur_prob=(1.0, 0.1),
+        blur_sigma=(10.0, 10.0),
+        solarize_prob=(0.0, 0.2),
+        mean=(0.0,),
+        std=(1.0,),
+    )  # 1.4 px at 32 px
     checker = ((torch.arange(size).view(-1, 1) + torch.arange(size).view(1, -1)) % 2).float()
     v1, v2 = bv(checker.expand(n, 1, size, size), g)
     # blurred: values strictly between 0 and 1 (solarizing alone maps the 0/1 board to 0)
@@ -157,8 +197,19 @@ def test_blur_strength_scales_with_image_size():
     widths = []
     for size in (112, 224):
         edge = (torch.arange(size) >= size // 2).float().view(1, 1, 1, size).expand(1, 1, size, size)
-        bv = BatchViews(size, min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, blur_prob=(1.0,),
-                        blur_sigma=(2.0, 2.0), mean=(0.0,), std=(1.0,), n_views=1, solarize_prob=(0.0,))
+        bv = BatchViews(
+            size,
+            min_scale=1.0,
+            hflip_prob=0.0,
+            jitter_prob=0.0,
+            gray_prob=0.0,
+            blur_prob=(1.0,),
+            blur_sigma=(2.0, 2.0),
+            mean=(0.0,),
+            std=(1.0,),
+            n_views=1,
+            solarize_prob=(0.0,),
+        )
         (v,) = bv(edge, torch.Generator().manual_seed(0))
         row = v[0, 0, size // 2]
         widths.append(((row > 0.05) & (row < 0.95)).sum().item() / size)
@@ -170,13 +221,16 @@ def test_one_view_with_default_probabilities():
     assert v.shape == (2, 3, 8, 8)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(min_scale=0.0), "min_scale"),
-    (dict(min_scale=0.5, max_scale=0.4), "min_scale"),
-    (dict(mean=(0.5, 0.5), std=(0.5,)), "mean and std"),
-    (dict(blur_prob=(0.5,)), "blur_prob"),
-    (dict(solarize_prob=(0.0, 1.5)), "solarize_prob"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_scale=0.0), "min_scale"),
+        (dict(min_scale=0.5, max_scale=0.4), "min_scale"),
+        (dict(mean=(0.5, 0.5), std=(0.5,)), "mean and std"),
+        (dict(blur_prob=(0.5,)), "blur_prob"),
+        (dict(solarize_prob=(0.0, 1.5)), "solarize_prob"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchViews(32, **kwargs)
@@ -191,8 +245,11 @@ def test_every_tensor_of_the_views_follows_the_batch_device(preset):
     st = view_settings(preset, 48, blur=True)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.2, 0.2)
     images = torch.randint(0, 256, (4, 3, 40, 40), dtype=torch.uint8).to("meta")
-    for views in (st.batch_views(mean, std)(images), linear_eval_views(48, mean, std)(images),
-                  st.colour_views(mean, std)(torch.zeros(4, 2, 3, 48, 48, dtype=torch.uint8, device="meta"))):
+    for views in (
+        st.batch_views(mean, std)(images),
+        linear_eval_views(48, mean, std)(images),
+        st.colour_views(mean, std)(torch.zeros(4, 2, 3, 48, 48, dtype=torch.uint8, device="meta")),
+    ):
         assert all(v.device.type == "meta" and v.shape == (4, 3, 48, 48) for v in views)
 
 

@@ -8,8 +8,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(script: str, *args: str, timeout: int = 300) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
-                         timeout=timeout, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -20,3 +25,121 @@ def test_gpu_check_runs_on_the_cpu():
     assert set(lines) >= {"fit", "syncs", "split_bn", "bf16_logits", "knn_memory", "checkpoint"}
     assert not any(v.startswith("FAILED") for v in lines.values()), lines
     assert "queue torch.float32" in lines["fit"] and "ours 0.00e+00" in lines["bf16_logits"]
+
+
+def test_quality_compares_configs_and_the_reference(tmp_path):
+    out = run(
+        "quality.py",
+        "--minutes",
+        "0.03",
+        "--systems",
+        "fashion_mnist_moco_v2",
+        "reference",
+        "--eval-subset",
+        "400",
+        "--probe-epochs",
+        "1",
+        "--curve-points",
+        "1",
+        "--curve-bank",
+        "200",
+        "--curve-queries",
+        "100",
+        "--ref-workers",
+        "0",
+        "--timing-warmup",
+        "1",
+        "--timing-steps",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "q.png"),
+    )
+    assert "raw pixels (normalised)" in out and "fashion_mnist_moco_v2" in out and "reference" in out
+    assert (tmp_path / "q.png").is_file() and "final" in (tmp_path / "q.csv").read_text()
+
+
+def test_ablations_runs_its_overrides(tmp_path):
+    out = run(
+        "ablations.py",
+        "--steps",
+        "2",
+        "--eval-subset",
+        "400",
+        "--probe-epochs",
+        "1",
+        "--threads",
+        "1",
+        "--runs",
+        "m 0.9",
+        "end-to-end (batch)",
+        "--out",
+        str(tmp_path / "a.png"),
+    )
+    assert "m 0.9" in out and "end-to-end (batch)" in out and (tmp_path / "a.csv").is_file()
+
+
+def test_step_overhead_sections():
+    out = run("step_overhead.py", "--repeats", "1", "--steps", "1", "--threads", "1")
+    assert "MoCo under Trainer.fit" in out and "module step, K=65536" in out and "lightly update_momentum" in out
+
+
+def test_data_throughput_paths():
+    out = run(
+        "data_throughput.py",
+        "--batches",
+        "1",
+        "--workers",
+        "0",
+        "--train-steps",
+        "0",
+        "--folder-images",
+        "8",
+        "--folder-size",
+        "32",
+        "--folder-batch-size",
+        "4",
+        "--kornia",
+        "1",
+        "--threads",
+        "1",
+    )
+    assert "BatchViews" in out and "kornia" in out and "augment_on='device'" in out
+
+
+def test_ddp_queue_broadcast_runs_two_processes():
+    out = run("ddp_queue_broadcast.py", "--steps", "2", "--queue-size", "1024")
+    assert "ms" in out
+
+
+def test_recipe_search_selects_on_the_validation_split(tmp_path):
+    out = run(
+        "recipe_search.py",
+        "--rungs",
+        "0.02",
+        "0.04",
+        "--keep",
+        "2",
+        "2",
+        "--eval-subset",
+        "400",
+        "--probe-epochs",
+        "1",
+        "--candidates",
+        "base",
+        "crop_1.0",
+        "--timing-repeats",
+        "1",
+        "--timing-warmup",
+        "1",
+        "--timing-steps",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "rs.png"),
+    )
+    assert "chosen: " in out and (tmp_path / "rs.png").is_file()
+    rows = (tmp_path / "rs.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 + 2  # the header, 2 candidates in rung 1, 2 in rung 2

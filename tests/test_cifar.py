@@ -44,8 +44,11 @@ def write_cifar100(root: Path, n=40):
     for name in ("train", "test"):
         fine = [int(v) for v in rng.integers(0, 100, n)]
         fine[0] = 99
-        entry = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "fine_labels": fine,
-                 "coarse_labels": [v // 5 for v in fine]}
+        entry = {
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            "fine_labels": fine,
+            "coarse_labels": [v // 5 for v in fine],
+        }
         with open(folder / name, "wb") as f:
             pickle.dump(entry, f)
 
@@ -202,11 +205,22 @@ def test_cifar10_config_instantiates(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["moco-lightning"])
-    cli = LightningCLI(MoCo, LightningDataModule, subclass_mode_data=True, run=False,
-                       args=["--config", str(ROOT / "configs" / "cifar10.yaml")])
+    cli = LightningCLI(
+        MoCo,
+        LightningDataModule,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(ROOT / "configs" / "cifar10.yaml")],
+    )
     hp, dm = cli.model.hparams, cli.datamodule
     assert isinstance(dm, CIFAR10DataModule) and dm.batch_size == 512 and dm.views.scale == (0.08, 1.0)
     assert dm.views.blur_prob == (0.0, 0.0)
-    assert (hp.backbone, hp.cifar_stem, hp.queue_size, hp.momentum, hp.temperature) == ("resnet18", True, 4096, 0.99, 0.1)
+    assert (hp.backbone, hp.cifar_stem, hp.queue_size, hp.momentum, hp.temperature) == (
+        "resnet18",
+        True,
+        4096,
+        0.99,
+        0.1,
+    )
     assert (hp.lr, hp.weight_decay, hp.head, hp.lr_schedule) == (0.03, 5e-4, "linear", "cosine")
     assert cli.trainer.max_epochs == 200

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 from moco_lightning.callbacks import RepresentationDiagnostics, alignment, mean_queue_age, uniformity
+
+from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
 
 def test_alignment_and_uniformity_by_hand():
@@ -55,10 +56,16 @@ class MoCoLike(TinyNet):
 
 def test_diagnostics_on_a_plain_module_with_known_numbers(seeded):
     net, logger = MoCoLike(), RecordingLogger()
-    trainer(max_steps=6, logger=logger, callbacks=[RepresentationDiagnostics(every_n_steps=2)]).fit(net, datamodule=ToyData())
+    trainer(max_steps=6, logger=logger, callbacks=[RepresentationDiagnostics(every_n_steps=2)]).fit(
+        net, datamodule=ToyData()
+    )
 
     # θ_k(t) = 0.9 θ_k(t-1): a relative change of exactly 0.1 per step
-    assert logger.series("diag/key_rel_change") == [(2, pytest.approx(0.1)), (4, pytest.approx(0.1)), (6, pytest.approx(0.1))]
+    assert logger.series("diag/key_rel_change") == [
+        (2, pytest.approx(0.1)),
+        (4, pytest.approx(0.1)),
+        (6, pytest.approx(0.1)),
+    ]
     # at the callback of step g the slots hold the write steps 1..g-1 (2 per step, 8 slots):
     # g=2: [1,1] -> age 1; g=4: [1,1,2,2,3,3] -> ages 3,3,2,2,1,1 -> 2; g=6: [5,5,2,2,3,3,4,4] -> 2.5
     assert logger.series("diag/queue_age") == [(2, 1.0), (4, 2.0), (6, 2.5)]
@@ -77,7 +84,9 @@ def test_diagnostics_on_moco(seeded):
     from conftest import tiny_data, tiny_moco
 
     moco, logger = tiny_moco(queue_size=32), RecordingLogger()
-    trainer(max_steps=4, logger=logger, callbacks=[RepresentationDiagnostics(every_n_steps=2)]).fit(moco, datamodule=tiny_data())
+    trainer(max_steps=4, logger=logger, callbacks=[RepresentationDiagnostics(every_n_steps=2)]).fit(
+        moco, datamodule=tiny_data()
+    )
     changes = [v for _, v in logger.series("diag/key_rel_change")]
     assert len(changes) == 2 and all(0.0 < v < 1.0 for v in changes)  # m = 0.9: the key encoder moves, slowly
     # 16 keys per step into 32 slots, written at steps 1, 2, 3: at step 2 one batch (age 1), at step 4 the
@@ -87,8 +96,9 @@ def test_diagnostics_on_moco(seeded):
 
 
 def test_key_drift_works_with_channels_last_weights():
-    from conftest import cpu_trainer, tiny_data, tiny_moco
     from moco_lightning.callbacks import RepresentationDiagnostics
+
+    from conftest import cpu_trainer, tiny_data, tiny_moco
 
     model = tiny_moco(backbone="resnet18", width=0.25, hidden_dim=16, channels_last=True)
     diag = RepresentationDiagnostics(every_n_steps=1)

@@ -14,11 +14,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import cpu_trainer, tiny_moco
 from moco_lightning import MoCo
 from moco_lightning.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
 from moco_lightning.queue import KeyQueue
 from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
+
+from conftest import cpu_trainer, tiny_moco
 
 B, STEPS = 4, 3  # per-rank batch, optimizer steps
 
@@ -57,7 +58,11 @@ class GlobalBatches(LightningDataModule):
 
     def train_dataloader(self):
         rank, world = self.trainer.global_rank, self.trainer.world_size
-        idx = [i for s in range(STEPS) for i in range(s * 2 * B + rank * self.per_rank, s * 2 * B + (rank + 1) * self.per_rank)]
+        idx = [
+            i
+            for s in range(STEPS)
+            for i in range(s * 2 * B + rank * self.per_rank, s * 2 * B + (rank + 1) * self.per_rank)
+        ]
         assert world * self.per_rank == 2 * B
         return DataLoader(Pairs(self.v1[idx], self.v2[idx]), batch_size=self.per_rank, shuffle=False)
 
@@ -70,12 +75,17 @@ class Record(Callback):
         self.losses.append(outputs["loss"].item())
 
     def on_train_end(self, trainer, pl_module):
-        torch.save({
-            "queue": pl_module.queue.keys.clone(), "ptr": pl_module.queue.ptr.item(), "losses": self.losses,
-            "backbone": {k: v.clone() for k, v in pl_module.backbone.state_dict().items()},
-            "key_backbone": {k: v.clone() for k, v in pl_module.key_backbone.state_dict().items()},
-            "ddp_ignores": sorted(getattr(trainer.strategy.model, "parameters_to_ignore", [])),
-        }, os.path.join(self.out_dir, f"rank{trainer.global_rank}-of{trainer.world_size}.pt"))
+        torch.save(
+            {
+                "queue": pl_module.queue.keys.clone(),
+                "ptr": pl_module.queue.ptr.item(),
+                "losses": self.losses,
+                "backbone": {k: v.clone() for k, v in pl_module.backbone.state_dict().items()},
+                "key_backbone": {k: v.clone() for k, v in pl_module.key_backbone.state_dict().items()},
+                "ddp_ignores": sorted(getattr(trainer.strategy.model, "parameters_to_ignore", [])),
+            },
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}-of{trainer.world_size}.pt"),
+        )
 
 
 def test_ddp_queue_identical_on_ranks_and_equal_to_one_process(tmp_path):
@@ -83,13 +93,21 @@ def test_ddp_queue_identical_on_ranks_and_equal_to_one_process(tmp_path):
         seed_everything(0, verbose=False)
         return tiny_moco(backbone=no_bn_backbone(), image_size=8, queue_size=20, momentum=0.9, lr=0.5, shuffle_bn="off")
 
-    cpu_trainer(max_steps=STEPS, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(model(), GlobalBatches(2 * B))
-    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    cpu_trainer(max_steps=STEPS, devices=2, strategy=ddp, callbacks=[Record(str(tmp_path))], limit_val_batches=0,
-                use_distributed_sampler=False).fit(
-        model(), GlobalBatches(B)
+    cpu_trainer(max_steps=STEPS, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(
+        model(), GlobalBatches(2 * B)
     )
-    single, r0, r1 = (torch.load(tmp_path / f, weights_only=False) for f in ("rank0-of1.pt", "rank0-of2.pt", "rank1-of2.pt"))
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    cpu_trainer(
+        max_steps=STEPS,
+        devices=2,
+        strategy=ddp,
+        callbacks=[Record(str(tmp_path))],
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    ).fit(model(), GlobalBatches(B))
+    single, r0, r1 = (
+        torch.load(tmp_path / f, weights_only=False) for f in ("rank0-of1.pt", "rank0-of2.pt", "rank1-of2.pt")
+    )
     # bit-identical dictionary on both ranks, 3 steps x 8 keys into K=20: wrapped around to slot 4
     assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == r1["ptr"] == single["ptr"] == (STEPS * 2 * B) % 20
     # DDP does not re-broadcast the queue from rank 0 (which would hide a missing gather): the ranks agree by themselves
@@ -155,7 +173,9 @@ def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
     seed_everything(0, verbose=False)
     model = tiny_moco(shuffle_bn="ddp", queue_size=48)
     ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(model, tiny_data())
+    cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(
+        model, tiny_data()
+    )
     r0, r1 = (torch.load(tmp_path / f"rank{r}-of2.pt", weights_only=False) for r in (0, 1))
     assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == 2 * 2 * 16 % 48
     for name, value in r0["key_backbone"].items():  # the same key encoder weights on both ranks
@@ -247,8 +267,10 @@ def _v3_loss_worker(rank: int, port: int, out_dir: str) -> None:
         k = torch.nn.functional.normalize(torch.randn(3, 4, generator=g), dim=1).requires_grad_()
         loss, _, labels = info_nce(q, k, None, 0.2, scale=0.4)
         loss.backward()
-        torch.save({"q": q, "k": k.detach(), "loss": loss.detach(), "labels": labels, "k_grad": k.grad},
-                   os.path.join(out_dir, f"v3_{rank}.pt"))
+        torch.save(
+            {"q": q, "k": k.detach(), "loss": loss.detach(), "labels": labels, "k_grad": k.grad},
+            os.path.join(out_dir, f"v3_{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -306,7 +328,9 @@ def test_ddp_nan_on_one_rank_stops_every_rank_with_the_message(tmp_path):
         trainer.fit(model, NaNOnRank1(bad_batch=1))
     for rank in (0, 1):  # both ranks stopped with the clear message, at the same step (not a broken connection)
         text = (tmp_path / f"exception{rank}.txt").read_text()
-        assert text.startswith("FloatingPointError: MoCo:") and "at global step 1 (epoch 0, batch 1)" in text, text
+        assert (
+            text.startswith("FloatingPointError: RecordsItsError:") and "at global step 1 (epoch 0, batch 1)" in text
+        ), text
         assert "Every rank stopped" in text and text.endswith("step 2")
     assert "another rank" in (tmp_path / "exception0.txt").read_text()  # rank 0's own loss was finite
 
@@ -366,8 +390,14 @@ def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_s
         ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
         saver = ModelCheckpoint(dirpath=tmp_path / tag, every_n_train_steps=2, save_top_k=-1)
         callbacks = [DrawFromGlobalRNG(str(tmp_path), tag), saver, Counted(str(tmp_path))]
-        cpu_trainer(max_steps=max_steps, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0,
-                    enable_checkpointing=True).fit(model, tiny_data(train_subset=128), ckpt_path=ckpt_path)
+        cpu_trainer(
+            max_steps=max_steps,
+            devices=2,
+            strategy=ddp,
+            callbacks=callbacks,
+            limit_val_batches=0,
+            enable_checkpointing=True,
+        ).fit(model, tiny_data(train_subset=128), ckpt_path=ckpt_path)
 
     run(4, "whole")
     # Lightning's DistributedSampler: equal batches on both ranks, the gathers exchange no sizes

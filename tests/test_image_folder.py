@@ -138,7 +138,9 @@ def test_every_image_mode_loads_as_8_bit_rgb(tmp_path):
     rgb16 = np.zeros((8, 8, 3), np.uint16)
     rgb16[..., 0], rgb16[..., 1] = 65535, 32896
     (tmp_path / "rgb16.png").write_bytes(png_rgb16(rgb16))
-    Image.fromarray(np.full((8, 8, 3), (200, 100, 50), np.uint8)).convert("CMYK").save(tmp_path / "cmyk.jpg", quality=100)
+    Image.fromarray(np.full((8, 8, 3), (200, 100, 50), np.uint8)).convert("CMYK").save(
+        tmp_path / "cmyk.jpg", quality=100
+    )
     Image.fromarray(np.full((8, 8), 255, np.uint8)).convert("1").save(tmp_path / "bilevel.png")
 
     def px(name, xy=(0, 0), channels=3):
@@ -168,8 +170,9 @@ def test_mixed_mode_folder_batches_and_grayscale_pipeline(tmp_path):
     Image.fromarray(np.full((20, 30), 40000, np.uint16)).save(folder / "g16.png")
     for channels in (3, 1):
         for aug in ("device", "workers"):
-            dm = ImageFolderDataModule(str(tmp_path), batch_size=4, image_size=16, num_workers=0, in_channels=channels,
-                                       augment_on=aug)
+            dm = ImageFolderDataModule(
+                str(tmp_path), batch_size=4, image_size=16, num_workers=0, in_channels=channels, augment_on=aug
+            )
             (v1, v2), _, _ = first_views(dm)
             assert v1.shape == v2.shape == (4, channels, 16, 16) and torch.isfinite(v1).all()
             x, _, _ = next(iter(dm.eval_train_dataloader()))
@@ -190,7 +193,9 @@ def test_corrupt_image_error_names_the_file(tmp_path):
     corrupt_tree(tmp_path)
     dm = ImageFolderDataModule(str(tmp_path), batch_size=14, image_size=16, num_workers=0)
     dm.setup()
-    with pytest.raises(BadImageError, match=r"train/(cat/truncated|dog/corrupt).jpg: cannot be read as an image.*skip_bad_images=true"):
+    with pytest.raises(
+        BadImageError, match=r"train/(cat/truncated|dog/corrupt).jpg: cannot be read as an image.*skip_bad_images=true"
+    ):
         next(iter(dm.train_dataloader()))
     with pytest.raises(BadImageError, match=r"truncated.jpg: cannot be read"):
         load_image(str(tmp_path / "train" / "cat" / "truncated.jpg"))
@@ -201,8 +206,9 @@ def test_corrupt_image_error_names_the_file(tmp_path):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_skip_bad_images_counts_them_with_one_warning(tmp_path, workers):
     corrupt_tree(tmp_path)
-    dm = ImageFolderDataModule(str(tmp_path), batch_size=14, image_size=16, num_workers=workers, skip_bad_images=True,
-                               augment_on="workers")
+    dm = ImageFolderDataModule(
+        str(tmp_path), batch_size=14, image_size=16, num_workers=workers, skip_bad_images=True, augment_on="workers"
+    )
     dm.setup()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -220,8 +226,9 @@ def test_views_differ_are_seeded_per_image_and_per_epoch(tmp_path, aug):
     write_tree(tmp_path)
 
     def views(seed, workers=0, epoch=0):
-        dm = ImageFolderDataModule(str(tmp_path), batch_size=8, image_size=24, num_workers=workers, seed=seed,
-                                   augment_on=aug)
+        dm = ImageFolderDataModule(
+            str(tmp_path), batch_size=8, image_size=24, num_workers=workers, seed=seed, augment_on=aug
+        )
         dm.setup()
         loader = dm.train_dataloader()
         loader.sampler.set_epoch(epoch)
@@ -267,7 +274,9 @@ def test_eval_views_are_resize_centre_crop_normalise(tmp_path):
 @pytest.mark.parametrize("aug", ["device", "workers"])
 def test_pretrain_false_gives_one_view(tmp_path, aug):
     write_tree(tmp_path)
-    dm = ImageFolderDataModule(str(tmp_path), batch_size=4, image_size=16, num_workers=0, pretrain=False, augment_on=aug)
+    dm = ImageFolderDataModule(
+        str(tmp_path), batch_size=4, image_size=16, num_workers=0, pretrain=False, augment_on=aug
+    )
     x, y, _ = first_views(dm)
     assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32
     assert next(iter(dm.val_dataloader()))[0].shape == (4, 3, 16, 16)
@@ -305,8 +314,9 @@ def test_trains_moco_for_two_steps(tmp_path, labelled):
         for i in range(8):
             smooth_rgb(i).save(tmp_path / "train" / f"{i}.jpg")
     # the labelled run crops in the workers and colours in on_after_batch_transfer; the other, all in the workers
-    dm = ImageFolderDataModule(str(tmp_path), batch_size=4, image_size=16, num_workers=0,
-                               augment_on="device" if labelled else "workers")
+    dm = ImageFolderDataModule(
+        str(tmp_path), batch_size=4, image_size=16, num_workers=0, augment_on="device" if labelled else "workers"
+    )
     model = tiny_moco(backbone=tiny_backbone(3), in_channels=3, image_size=16)
     trainer = cpu_trainer(max_steps=2, limit_val_batches=1)
     trainer.fit(model, datamodule=dm)
@@ -314,8 +324,10 @@ def test_trains_moco_for_two_steps(tmp_path, labelled):
     assert ("val/loss" in trainer.callback_metrics) == labelled  # validation only with a val folder
 
 
-@pytest.mark.parametrize("config, preset, head, temperature", [("moco_v2.yaml", "moco_v2", "mlp", 0.2),
-                                                               ("moco_v1.yaml", "moco_v1", "linear", 0.07)])
+@pytest.mark.parametrize(
+    "config, preset, head, temperature",
+    [("moco_v2.yaml", "moco_v2", "mlp", 0.2), ("moco_v1.yaml", "moco_v1", "linear", 0.07)],
+)
 def test_imagenet_configs_instantiate(tmp_path, monkeypatch, config, preset, head, temperature):
     from lightning.pytorch import LightningDataModule
     from lightning.pytorch.cli import LightningCLI
@@ -324,11 +336,18 @@ def test_imagenet_configs_instantiate(tmp_path, monkeypatch, config, preset, hea
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["moco-lightning"])
-    cli = LightningCLI(MoCo, LightningDataModule, subclass_mode_data=True, run=False,
-                       args=["--config", str(ROOT / "configs" / config)])
+    cli = LightningCLI(
+        MoCo, LightningDataModule, subclass_mode_data=True, run=False, args=["--config", str(ROOT / "configs" / config)]
+    )
     hp, dm = cli.model.hparams, cli.datamodule
     assert isinstance(dm, ImageFolderDataModule) and dm.preset == preset and dm.batch_size == 256
-    assert (hp.backbone, hp.queue_size, hp.momentum, hp.head, hp.temperature) == ("resnet50", 65536, 0.999, head, temperature)
+    assert (hp.backbone, hp.queue_size, hp.momentum, hp.head, hp.temperature) == (
+        "resnet50",
+        65536,
+        0.999,
+        head,
+        temperature,
+    )
     assert hp.lr == 0.03 and hp.weight_decay == 1e-4 and cli.trainer.max_epochs == 200
     assert hp.lr_schedule == ("cosine" if preset == "moco_v2" else "step")
     if preset == "moco_v1":
@@ -353,8 +372,9 @@ def test_skipped_images_are_replaced_within_their_class_and_warned_once(tmp_path
     write_tree(tmp_path, n_per_class=3, splits=("train",))
     bad = tmp_path / "train" / "cat" / "nested" / "2.png"  # the last file of the first class
     bad.write_bytes(b"not a jpeg")
-    dm = ImageFolderDataModule(str(tmp_path), batch_size=6, image_size=16, num_workers=workers, skip_bad_images=True,
-                               augment_on="workers")
+    dm = ImageFolderDataModule(
+        str(tmp_path), batch_size=6, image_size=16, num_workers=workers, skip_bad_images=True, augment_on="workers"
+    )
     dm.setup()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 from moco_lightning.callbacks import KNNMonitor, knn_accuracy, knn_counts, knn_scores
+
+from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
 D = 6
 
@@ -208,7 +209,19 @@ def test_explicit_loaders_without_datamodule(seeded):
         def forward(self, x):
             return x.flatten(1)
 
-    monitor = KNNMonitor(num_classes=10, bank_dataloader=lambda: bank_loader, val_dataloader=val_loader, every_n_epochs=0)
+    monitor = KNNMonitor(
+        num_classes=10, bank_dataloader=lambda: bank_loader, val_dataloader=val_loader, every_n_epochs=0
+    )
     t = trainer(logger=RecordingLogger(), callbacks=[monitor], max_steps=1)
     t.fit(Passthrough(), train_dataloaders=ToyData().train_dataloader())
     assert monitor.history == [(0, pytest.approx(8 / 21))]  # only the step-0 baseline (every_n_epochs=0)
+
+
+def test_pixel_baseline_is_logged_once_beside_the_encoder(seeded):
+    data = ToyData(num_classes=3)
+    monitor = KNNMonitor(k=10, pixel_baseline=True, every_n_epochs=1)
+    logger = RecordingLogger()
+    trainer(max_epochs=1, logger=logger, callbacks=[monitor]).fit(TinyNet(), datamodule=data)
+    expected = knn_accuracy(nn.Flatten(), data.eval_train_dataloader(), data.eval_val_dataloader(), num_classes=3, k=10)
+    assert logger.series("val/knn_acc1_pixels") == [(0, pytest.approx(expected["acc1"]))]
+    assert len(logger.series("val/knn_acc1")) == 2 and len(monitor.history) == 2  # the pixels are not in the history

@@ -11,8 +11,9 @@ from lightning.pytorch import Callback, LightningDataModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from callback_toys import trainer
 from moco_lightning.linear_eval import LinearClassifier, main
+
+from callback_toys import trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "linear_eval.yaml"
 
@@ -125,7 +126,9 @@ def test_backbone_from_a_moco_checkpoint_with_a_module_backbone(seeded, tmp_path
     from conftest import tiny_backbone
 
     path, moco = _moco_checkpoint(tmp_path)
-    model = LinearClassifier(ckpt_path=str(path), backbone=tiny_backbone(), num_classes=10, in_channels=1, image_size=28)
+    model = LinearClassifier(
+        ckpt_path=str(path), backbone=tiny_backbone(), num_classes=10, in_channels=1, image_size=28
+    )
     assert model.feature_dim == 16
     trained = moco.backbone.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in model.backbone.state_dict().items())
@@ -146,7 +149,10 @@ class GrayImages(LightningDataModule):
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(24, 1, 28, 28, generator=g), torch.arange(24) % 10
         self.batch_size = batch_size
-        self.train, self.val = TensorDataset(x[:16], y[:16], torch.arange(16)), TensorDataset(x[16:], y[16:], torch.arange(8))
+        self.train, self.val = (
+            TensorDataset(x[:16], y[:16], torch.arange(16)),
+            TensorDataset(x[16:], y[16:], torch.arange(8)),
+        )
 
     def train_dataloader(self):
         return DataLoader(self.train, batch_size=self.batch_size, shuffle=True)
@@ -159,8 +165,9 @@ class GrayImages(LightningDataModule):
 def resnet_checkpoint(tmp_path_factory) -> Path:
     """A MoCo checkpoint with a named backbone (what configs/linear_eval.yaml expects), untrained (saved
     without fitting: loading is what is under test, and a resnet18 step costs seconds on this CPU)."""
-    from conftest import cpu_trainer, tiny_moco
     from lightning.pytorch import seed_everything
+
+    from conftest import cpu_trainer, tiny_moco
 
     seed_everything(0, verbose=False)
     moco = tiny_moco(backbone="resnet18", cifar_stem=True)
@@ -172,12 +179,24 @@ def resnet_checkpoint(tmp_path_factory) -> Path:
 
 
 def _cli(path: Path, root: Path, *extra: str) -> None:
-    main([
-        "fit", "--config", str(CONFIG), f"--model.ckpt_path={path}", "--trainer.accelerator=cpu",
-        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
-        "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={root}", *extra,
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIG),
+            f"--model.ckpt_path={path}",
+            "--trainer.accelerator=cpu",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.logger=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.default_root_dir={root}",
+            *extra,
+        ]
+    )
 
 
 def test_command_line_with_the_config(resnet_checkpoint, tmp_path, monkeypatch):
@@ -192,28 +211,37 @@ def test_command_line_with_the_config_on_fashion_mnist(resnet_checkpoint, tmp_pa
     from moco_lightning.datamodules import FashionMNISTDataModule
     from moco_lightning.datamodules.fashion_mnist import DEBIAN_DIR
 
-    assert Path(DEBIAN_DIR).is_dir(), f"Fashion-MNIST is not installed in {DEBIAN_DIR}: apt-get install dataset-fashion-mnist"
+    assert Path(DEBIAN_DIR).is_dir(), (
+        f"Fashion-MNIST is not installed in {DEBIAN_DIR}: apt-get install dataset-fashion-mnist"
+    )
     assert FashionMNISTDataModule(pretrain=False).views.n_views == 1
     monkeypatch.setattr("sys.argv", ["linear_eval"])
-    _cli(resnet_checkpoint, tmp_path, "--data.init_args.batch_size=8", "--data.init_args.train_subset=16",
-         "--data.init_args.val_subset=8")
+    _cli(
+        resnet_checkpoint,
+        tmp_path,
+        "--data.init_args.batch_size=8",
+        "--data.init_args.train_subset=16",
+        "--data.init_args.val_subset=8",
+    )
     saved = (tmp_path / "config.yaml").read_text()
     assert "FashionMNISTDataModule" in saved and "pretrain: false" in saved and "lr: 30.0" in saved
 
 
 def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tmp_path):
     """The quickstart's width-0.5 ResNet-18, exported as a plain state dict, rebuilt by the same backbone arguments."""
-    from conftest import cpu_trainer, tiny_data
     from moco_lightning import MoCo
     from moco_lightning.export import export_backbone
+
+    from conftest import cpu_trainer, tiny_data
 
     moco = MoCo(backbone="resnet18", width=0.5, in_channels=1, image_size=28, queue_size=16, hidden_dim=32, dim=8)
     t = cpu_trainer(max_steps=1, limit_val_batches=0)
     t.fit(moco, tiny_data())
     t.save_checkpoint(tmp_path / "moco.ckpt")
     exported = export_backbone(tmp_path / "moco.ckpt", tmp_path / "backbone.pt")
-    model = LinearClassifier(backbone="resnet18", width=0.5, in_channels=1, image_size=28,
-                             backbone_state_dict=str(exported), num_classes=10)
+    model = LinearClassifier(
+        backbone="resnet18", width=0.5, in_channels=1, image_size=28, backbone_state_dict=str(exported), num_classes=10
+    )
     assert model.feature_dim == 256
     saved = torch.load(exported)
     assert all(torch.equal(v, saved[k]) for k, v in model.backbone.state_dict().items())

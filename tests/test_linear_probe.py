@@ -6,8 +6,9 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 from moco_lightning.callbacks import LinearProbe
+
+from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
 
 def backbone_state(net: TinyNet) -> dict[str, torch.Tensor]:
@@ -63,7 +64,9 @@ def test_probe_state_survives_checkpoint_and_resume(seeded, tmp_path):
             self.buffer = resumed.optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
 
     resumed, capture = LinearProbe(), Capture()
-    trainer(max_epochs=2, callbacks=[resumed, capture]).fit(TinyNet(return_features=True), datamodule=data, ckpt_path=path)
+    trainer(max_epochs=2, callbacks=[resumed, capture]).fit(
+        TinyNet(return_features=True), datamodule=data, ckpt_path=path
+    )
     assert torch.equal(capture.weight, probe.classifier.weight.detach())
     assert torch.equal(capture.buffer, probe.optimizer.state_dict()["state"][0]["momentum_buffer"])
     assert not torch.equal(resumed.classifier.weight, probe.classifier.weight)  # and it kept training
@@ -89,6 +92,8 @@ def test_unlabelled_targets_are_ignored_not_an_error(seeded):
 
     probe = LinearProbe(lr=0.5, every_n_epochs=1)
     logger = RecordingLogger()
-    trainer(max_epochs=3, logger=logger, callbacks=[probe]).fit(TinyNet(return_features=True), datamodule=HalfUnlabelled())
+    trainer(max_epochs=3, logger=logger, callbacks=[probe]).fit(
+        TinyNet(return_features=True), datamodule=HalfUnlabelled()
+    )
     assert all(0.0 <= v <= 1.0 for _, v in logger.series("train/probe_acc1"))
     assert logger.series("val/probe_acc1")[-1][1] >= 0.9

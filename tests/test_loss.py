@@ -51,7 +51,9 @@ def test_logits_are_fp32_under_half_inputs():
     q, k, queue = fixed(4, 8, 8).half(), fixed(4, 8, 9).half(), fixed(16, 8, 10).half()
     loss, sims, _ = info_nce(q, k, queue, 0.07)
     assert loss.dtype == torch.float32
-    ref = F.cross_entropy(contrastive_similarities(q.float(), k.float(), queue.float())[0] / 0.07, torch.zeros(4, dtype=torch.long))
+    ref = F.cross_entropy(
+        contrastive_similarities(q.float(), k.float(), queue.float())[0] / 0.07, torch.zeros(4, dtype=torch.long)
+    )
     assert abs(loss.item() - ref.item()) < 2e-2
 
 

@@ -3,12 +3,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
-from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
-from moco_lightning import MoCo
+from moco_lightning import EndToEnd, MemoryBankMoCo, MoCo, MoCoV3
+
+from conftest import cpu_trainer, tiny_data, tiny_moco
 
 
 def key_state(model):
@@ -42,25 +43,30 @@ def test_torchvision_backbone_with_small_grayscale_stem():
     assert sum(isinstance(m, torch.nn.Linear) for m in linear.projection_head.modules()) == 1
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    ({"queue_size": -1}, "queue_size"),
-    ({"temperature": 0.0}, "temperature"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"momentum": 1.5}, "momentum"),
-    ({"momentum": -0.1}, "momentum"),
-    ({"head": "conv"}, "head"),
-    ({"lr_schedule": "linear"}, "lr_schedule"),
-    ({"momentum_schedule": "step"}, "momentum_schedule"),
-    ({"lr": 0}, "lr"),
-    ({"dim": 0}, "dim"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"queue_size": -1}, "queue_size"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"momentum": 1.5}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"head": "conv"}, "head"),
+        ({"lr_schedule": "linear"}, "lr_schedule"),
+        ({"momentum_schedule": "step"}, "momentum_schedule"),
+        ({"lr": 0}, "lr"),
+        ({"dim": 0}, "dim"),
+    ],
+)
 def test_bad_arguments_name_the_argument_and_allowed_values(kwargs, name):
     with pytest.raises(ValueError, match=rf"MoCo: {name}=.* not allowed; {name} must be"):
         tiny_moco(**kwargs)
 
 
 def test_unknown_backbone_lists_the_names():
-    with pytest.raises(ValueError, match=r"backbone='resnet17' is not a torchvision classification model; use one of \[.*'resnet18'"):
+    with pytest.raises(
+        ValueError, match=r"backbone='resnet17' is not a torchvision classification model; use one of \[.*'resnet18'"
+    ):
         MoCo(backbone="resnet17")
 
 
@@ -244,7 +250,9 @@ def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path):
     def run(ckpt_path=None, callbacks=()):
         seed_everything(0, verbose=False)
         model = tiny_moco(momentum_schedule="cosine", lr_schedule="cosine", warmup_epochs=0.5)
-        trainer = cpu_trainer(max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), limit_val_batches=1)
+        trainer = cpu_trainer(
+            max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), limit_val_batches=1
+        )
         trainer.fit(model, tiny_data(), ckpt_path=ckpt_path)
         return model
 
@@ -277,9 +285,11 @@ def test_step_checkpoints_hold_the_steps_momentum_update_and_keys(seeded, tmp_pa
 # --- MoCo v3 and the paper's other dictionaries ---------------------------------------------
 def test_v3_loss_equals_hand_computation_and_predictor_is_query_only(seeded):
     T = 0.5
-    model = tiny_moco(head="bn_mlp", predictor_hidden_dim=16, queue_size=0, symmetric=True, scale_loss=True,
-                      temperature=T, momentum=0.99, momentum_schedule="cosine", optimizer="lars")
-    assert isinstance(model.projection_head.layers[-1], torch.nn.BatchNorm1d) and not model.projection_head.layers[-1].affine
+    model = tiny_moco(MoCoV3, hidden_dim=16, temperature=T, momentum=0.99, momentum_schedule="cosine", optimizer="lars")
+    assert (
+        isinstance(model.projection_head.layers[-1], torch.nn.BatchNorm1d)
+        and not model.projection_head.layers[-1].affine
+    )
     assert not any(n.startswith("key_prediction") for n, _ in model.named_parameters())
     x1, x2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
     model.train()
@@ -293,12 +303,16 @@ def test_v3_loss_equals_hand_computation_and_predictor_is_query_only(seeded):
             return F.normalize(model.key_projection_head(model.key_backbone(x)), dim=1)
 
     labels = torch.arange(6)
-    expected = 2 * T * (F.cross_entropy(q_of(x1) @ k_of(x2).T / T, labels) + F.cross_entropy(q_of(x2) @ k_of(x1).T / T, labels))
+    expected = (
+        2
+        * T
+        * (F.cross_entropy(q_of(x1) @ k_of(x2).T / T, labels) + F.cross_entropy(q_of(x2) @ k_of(x1).T / T, labels))
+    )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(seeded):
-    model = tiny_moco(dictionary="batch", queue_size=0)
+    model = tiny_moco(EndToEnd)
     assert model.key_backbone is None and model.key_projection_head is None
     assert not any(k.startswith("key_") for k in model.state_dict())
     x1, x2 = torch.randn(8, 1, 28, 28, requires_grad=True), torch.randn(8, 1, 28, 28, requires_grad=True)
@@ -307,7 +321,7 @@ def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(se
 
 
 def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
-    model = tiny_moco(dictionary="memory_bank", memory_bank_size=20, queue_size=12, momentum=0.5)
+    model = tiny_moco(MemoryBankMoCo, memory_bank_size=20, num_negatives=12, bank_momentum=0.5)
     assert model.key_backbone is None
     before = model.memory_bank.features.clone()
     index = torch.tensor([3, 17, 9, 0])
@@ -320,13 +334,14 @@ def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
     expected[index] = F.normalize(0.5 * before[index] + 0.5 * out["q"], dim=1)
     torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="memory_bank_size = the number of training images"):
-        tiny_moco(dictionary="memory_bank")
+        tiny_moco(MemoryBankMoCo)
 
 
 @pytest.mark.parametrize("dictionary", ["queue", "batch", "memory_bank"])
 def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torch_thread):
-    extra = {"memory_bank_size": 64, "momentum": 0.5} if dictionary == "memory_bank" else {}
-    model = tiny_moco(dictionary=dictionary, **extra)
+    cls = {"queue": MoCo, "batch": EndToEnd, "memory_bank": MemoryBankMoCo}[dictionary]
+    extra = {"memory_bank_size": 64, "bank_momentum": 0.5} if dictionary == "memory_bank" else {}
+    model = tiny_moco(cls, **extra)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cpu_trainer(max_steps=3, limit_val_batches=0).fit(model, tiny_data())
     assert model.global_step == 3
@@ -338,14 +353,16 @@ def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torc
 
 
 def test_memory_bank_smaller_than_the_training_set_fails_at_fit_start(seeded, one_torch_thread):
-    model = tiny_moco(dictionary="memory_bank", memory_bank_size=40, queue_size=8, momentum=0.5)
-    with pytest.raises(ValueError, match="memory_bank_size=40, but the training set has 64 images; set memory_bank_size to 64"):
+    model = tiny_moco(MemoryBankMoCo, memory_bank_size=40, num_negatives=8, bank_momentum=0.5)
+    with pytest.raises(
+        ValueError, match="memory_bank_size=40, but the training set has 64 images; set memory_bank_size to 64"
+    ):
         cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
     assert model.global_step == 0
 
 
 def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded):
-    model = tiny_moco(dictionary="memory_bank", memory_bank_size=10, queue_size=6, momentum=0.5, symmetric=True)
+    model = tiny_moco(MemoryBankMoCo, memory_bank_size=10, num_negatives=6, bank_momentum=0.5, symmetric=True)
     before = model.memory_bank.features.clone()
     index = torch.tensor([1, 8, 4])
     x1, x2 = torch.randn(3, 1, 28, 28), torch.randn(3, 1, 28, 28)
@@ -423,7 +440,67 @@ def test_bn_splits_not_dividing_the_batch_fails_at_fit_start_naming_both_fields(
     from moco_lightning.callbacks import KNNMonitor
 
     monitor = KNNMonitor()
-    with pytest.raises(ValueError, match=r"bn_splits=8 does not divide the per-device batch of 20 images .*data.batch_size"):
+    with pytest.raises(
+        ValueError, match=r"bn_splits=8 does not divide the per-device batch of 20 images .*data.batch_size"
+    ):
         cpu_trainer(max_steps=1, limit_val_batches=0, callbacks=[monitor]).fit(
-            tiny_moco(shuffle_bn="split", bn_splits=8), tiny_data(batch_size=20))
+            tiny_moco(shuffle_bn="split", bn_splits=8), tiny_data(batch_size=20)
+        )
     assert monitor.history == []  # before the kNN baseline, not after it
+
+
+# --- multi-crop -----------------------------------------------------------------------------
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_multi_crop_loss_equals_hand_computation(seeded, symmetric):
+    """Every local query against the key of every global view of its image and the queue; loss = G x mean."""
+    model = tiny_moco(symmetric=symmetric)
+    model.eval()  # BN with running statistics: the formula, not the batch composition (local views go in as one batch)
+    g1, g2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
+    locals_ = [torch.randn(6, 1, 14, 14) for _ in range(3)]
+    loss = model.contrast(g1, g2, local_views=locals_)["loss"]
+
+    def q_of(x):
+        return F.normalize(model.projection_head(model.backbone(x)), dim=1)
+
+    def k_of(x):
+        with torch.no_grad():
+            return F.normalize(model.key_projection_head(model.key_backbone(x)), dim=1)
+
+    queue = model.queue.keys
+
+    def ce(q, k):
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue.T], 1) / 0.2
+        return -torch.log_softmax(logits, 1)[:, 0].mean()
+
+    keys = [k_of(g2)] + ([k_of(g1)] if symmetric else [])
+    terms = [ce(q_of(g1), keys[0])] + ([ce(q_of(g2), keys[1])] if symmetric else [])
+    terms += [ce(q_of(lv), k) for lv in locals_ for k in keys]
+    expected = len(keys) * torch.stack(terms).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_multi_crop_key_encoder_never_sees_a_local_view_and_only_global_keys_are_enqueued(seeded):
+    model = tiny_moco(queue_size=64)
+    seen = []
+    model.key_backbone.register_forward_hook(lambda m, inputs, out: seen.append(tuple(inputs[0].shape[-2:])))
+    data = tiny_data(local_views=2, local_size=14, local_scale=(0.3, 0.6))
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(model, data)
+    assert seen and set(seen) == {(28, 28)}
+    assert model.queue.ptr.item() == 2 * 16 and int((model.queue.enqueued_at >= 1).sum()) == 2 * 16
+
+
+def test_multi_crop_resume_is_bit_equal(tmp_path):
+    def run(ckpt_path=None, callbacks=()):
+        seed_everything(0, verbose=False)
+        model = tiny_moco(symmetric=True, lr_schedule="cosine")
+        trainer = cpu_trainer(
+            max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), limit_val_batches=0
+        )
+        trainer.fit(model, tiny_data(local_views=2, local_size=14), ckpt_path=ckpt_path)
+        return model
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    straight = run(callbacks=[checkpoint])
+    resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -12,9 +12,10 @@ import torch
 import torchvision
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import cpu_trainer, tiny_data, tiny_moco
 from moco_lightning import MoCo
 from moco_lightning.export import backbone_state_dict, export_backbone
+
+from conftest import cpu_trainer, tiny_data, tiny_moco
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,9 @@ def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(s
         return out
 
     model.contrast = poisoned
-    with pytest.raises(FloatingPointError, match=r"loss is nan at global step 2 \(epoch 0, batch 2\).*lr=0.06.*temperature=0.2"):
+    with pytest.raises(
+        FloatingPointError, match=r"loss is nan at global step 2 \(epoch 0, batch 2\).*lr=0.06.*temperature=0.2"
+    ):
         trainer.fit(model, tiny_data())
     saved = sorted(p.name for p in tmp_path.glob("*.ckpt"))
     assert saved == ["step=1.ckpt", "step=2.ckpt"]
@@ -143,7 +146,9 @@ def test_checkpoint_mismatch_says_what_differs(seeded, tmp_path):
     assert checkpoint["moco_lightning"]["format_version"] == MoCo.FORMAT_VERSION
     checkpoint["moco_lightning"]["format_version"] = MoCo.FORMAT_VERSION + 1
     torch.save(checkpoint, tmp_path / "future.ckpt")
-    with pytest.raises(ValueError, match=rf"checkpoint format {MoCo.FORMAT_VERSION + 1} .* is newer than this moco-lightning"):
+    with pytest.raises(
+        ValueError, match=rf"checkpoint format {MoCo.FORMAT_VERSION + 1} .* is newer than this moco-lightning"
+    ):
         MoCo.load_from_checkpoint(tmp_path / "future.ckpt")
 
 
@@ -164,10 +169,29 @@ def test_exported_backbone_loads_strictly_into_torchvision_and_gives_the_same_fe
     assert torch.equal(fresh(x), model(x))
     key = backbone_state_dict(ckpt, "key")
     assert not torch.equal(key["conv1.weight"], model.backbone.conv1.weight)  # the key encoder lags behind
-    result = subprocess.run([sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "k.pt"),
-                             "--encoder", "key"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moco_lightning",
+            "export",
+            "--ckpt",
+            str(ckpt),
+            "--out",
+            str(tmp_path / "k.pt"),
+            "--encoder",
+            "key",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0 and "key encoder backbone" in result.stdout
     assert torch.equal(torch.load(tmp_path / "k.pt")["conv1.weight"], key["conv1.weight"])
-    missing = subprocess.run([sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", "x.pt"],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", "x.pt"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "nope.ckpt does not exist" in missing.stderr

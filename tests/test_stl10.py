@@ -41,7 +41,11 @@ def test_splits_orientation_and_labels(tmp_path):
     dm = STL10DataModule(str(tmp_path), batch_size=8)
     dm.setup()
     train, val, pre = dm._splits["train"], dm._splits["val"], dm._splits["pretrain"]
-    assert train.images.shape == (20, 3, 96, 96) and val.images.shape == (12, 3, 96, 96) and train.images.dtype == torch.uint8
+    assert (
+        train.images.shape == (20, 3, 96, 96)
+        and val.images.shape == (12, 3, 96, 96)
+        and train.images.dtype == torch.uint8
+    )
     assert torch.equal(train.images, torch.from_numpy(images["train"]))  # (C, H, W), not transposed
     assert train.targets.tolist() == [i % 10 for i in range(20)]  # 1..10 on disk -> 0..9
     # pretraining: unlabelled (target -1) then labelled train
@@ -154,7 +158,12 @@ def test_stl10_config_instantiates(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["moco-lightning"])
-    cli = LightningCLI(MoCo, LightningDataModule, subclass_mode_data=True, run=False,
-                       args=["--config", str(ROOT / "configs" / "stl10.yaml")])
+    cli = LightningCLI(
+        MoCo,
+        LightningDataModule,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(ROOT / "configs" / "stl10.yaml")],
+    )
     assert isinstance(cli.datamodule, STL10DataModule) and cli.datamodule.image_size == 96
     assert cli.model.hparams.image_size == 96 and cli.model.hparams.queue_size == 8192

@@ -10,8 +10,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from callback_toys import TinyNet, ToyData, trainer
 from moco_lightning.callbacks import EmbeddingProjector, KNNMonitor, ViewGrid
+
+from callback_toys import TinyNet, ToyData, trainer
 
 
 def test_views_scalars_and_projector_are_written(seeded, tmp_path):
@@ -31,7 +32,9 @@ def test_views_scalars_and_projector_are_written(seeded, tmp_path):
     # make_grid: 4 images of 8 px per row, 2 rows (the two views), 2-px padding
     assert (image.width, image.height) == (4 * 10 + 2, 2 * 10 + 2)
     pixels = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("L"), dtype=np.int32)
-    inner = np.concatenate([pixels[2 + 10 * r: 10 * (r + 1), 2 + 10 * c: 10 * (c + 1)].ravel() for r in range(2) for c in range(4)])
+    inner = np.concatenate(
+        [pixels[2 + 10 * r : 10 * (r + 1), 2 + 10 * c : 10 * (c + 1)].ravel() for r in range(2) for c in range(4)]
+    )
     # de-normalised: dark pixels (~0.1) and bright ones (~0.9) keep their grey levels; drawn as they are, the
     # normalised tensors ((x - 0.3) / 0.4: ~-0.5 and ~1.5) would be clipped to 0 and 255 almost everywhere
     assert np.mean((inner > 5) & (inner < 250)) > 0.8
@@ -53,7 +56,9 @@ def test_views_scalars_and_projector_are_written(seeded, tmp_path):
 def test_without_tensorboard_they_warn_and_do_nothing(seeded, tmp_path, logger_kind):
     logger = CSVLogger(tmp_path) if logger_kind == "csv" else False
     with pytest.warns(UserWarning, match="TensorBoardLogger"):
-        trainer(max_steps=2, logger=logger, callbacks=[ViewGrid(), EmbeddingProjector()]).fit(TinyNet(), datamodule=ToyData())
+        trainer(max_steps=2, logger=logger, callbacks=[ViewGrid(), EmbeddingProjector()]).fit(
+            TinyNet(), datamodule=ToyData()
+        )
     assert not list(tmp_path.rglob("projector_config.pbtxt"))
 
 
@@ -67,21 +72,42 @@ def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, t
     import urllib.request
     from pathlib import Path
 
-    from conftest import cpu_trainer, tiny_data, tiny_moco
     from moco_lightning.callbacks import LinearProbe, RepresentationDiagnostics
 
-    callbacks = [ViewGrid(n_images=4), EmbeddingProjector(n_samples=20), KNNMonitor(k=10), LinearProbe(),
-                 RepresentationDiagnostics(every_n_steps=1)]
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+
+    callbacks = [
+        ViewGrid(n_images=4),
+        EmbeddingProjector(n_samples=20),
+        KNNMonitor(k=10),
+        LinearProbe(),
+        RepresentationDiagnostics(every_n_steps=1),
+    ]
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     cpu_trainer(max_epochs=1, logger=logger, callbacks=callbacks, log_every_n_steps=1, limit_val_batches=0).fit(
-        tiny_moco(), tiny_data())
+        tiny_moco(), tiny_data()
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = Path(sys.executable).with_name("tensorboard")
-    server = subprocess.Popen([str(exe), "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port),
-                               "--load_fast", "false", "--reload_interval", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            str(exe),
+            "--logdir",
+            str(tmp_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast",
+            "false",
+            "--reload_interval",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def get(path: str):
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:

@@ -1,4 +1,5 @@
-"""View presets: the paper's settings, the PIL (lightly) and tensor (BatchViews) paths agreeing, small and gray images."""
+"""View presets: the paper's settings, the PIL (lightly) and tensor (BatchViews) paths agreeing, small and gray
+images."""
 
 import numpy as np
 import pytest
@@ -18,14 +19,25 @@ from moco_lightning.datamodules.transforms import (
     random_resized_crop_box,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_preset_table_matches_the_papers():
     v1, v2, v3 = (view_settings(p, 224) for p in PRESETS)
-    assert (v1.min_scale, v1.jitter, v1.jitter_prob, v1.gray_prob, v1.blur_prob) == (0.2, (0.4, 0.4, 0.4, 0.4), 1.0, 0.2, (0, 0))
-    assert (v2.min_scale, v2.jitter, v2.jitter_prob, v2.gray_prob, v2.blur_prob) == (0.2, (0.4, 0.4, 0.4, 0.1), 0.8, 0.2, (0.5, 0.5))
+    assert (v1.min_scale, v1.jitter, v1.jitter_prob, v1.gray_prob, v1.blur_prob) == (
+        0.2,
+        (0.4, 0.4, 0.4, 0.4),
+        1.0,
+        0.2,
+        (0, 0),
+    )
+    assert (v2.min_scale, v2.jitter, v2.jitter_prob, v2.gray_prob, v2.blur_prob) == (
+        0.2,
+        (0.4, 0.4, 0.4, 0.1),
+        0.8,
+        0.2,
+        (0.5, 0.5),
+    )
     assert (v3.min_scale, v3.jitter, v3.jitter_prob, v3.gray_prob) == (0.08, (0.4, 0.4, 0.2, 0.1), 0.8, 0.2)
     assert v3.blur_prob == (1.0, 0.1) and v3.solarize_prob == (0.0, 0.2)
     assert v1.solarize_prob == v2.solarize_prob == (0.0, 0.0)
@@ -71,7 +83,9 @@ def smooth_images(n, size, channels, seed=0):
     rng = np.random.default_rng(seed)
     small = rng.integers(0, 256, (n, 4, 4, channels), dtype=np.uint8)
     mode = "RGB" if channels == 3 else "L"
-    return [Image.fromarray(s.squeeze(-1) if channels == 1 else s, mode).resize((size, size), Image.BILINEAR) for s in small]
+    return [
+        Image.fromarray(s.squeeze(-1) if channels == 1 else s, mode).resize((size, size), Image.BILINEAR) for s in small
+    ]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -122,7 +136,7 @@ def test_random_resized_crop_box_matches_torchvision_bounds():
     boxes = [random_resized_crop_box(500, 375, (0.2, 1.0), g) for _ in range(2000)]
     areas = np.array([w * h / (500 * 375) for _, _, w, h in boxes])
     ratios = np.array([w / h for _, _, w, h in boxes])
-    assert all(0 <= l and l + w <= 500 and 0 <= t and t + h <= 375 for l, t, w, h in boxes)
+    assert all(0 <= left and left + w <= 500 and 0 <= t and t + h <= 375 for left, t, w, h in boxes)
     assert areas.min() >= 0.19 and areas.max() <= 1.0 and 0.74 <= ratios.min() and ratios.max() <= 1.34
     torch.manual_seed(0)
     tv = [RandomResizedCrop.get_params(torch.empty(3, 375, 500), (0.2, 1.0), (3 / 4, 4 / 3)) for _ in range(2000)]

@@ -1,0 +1,296 @@
+"""What every pretraining module of this library shares, so that each method's own file holds only its algorithm.
+
+:class:`Pretraining` owns the backbone (``forward(x)`` returns its features: the evaluation callbacks, linear
+evaluation and export need nothing else), the optimizer and the lr schedule (lr given per 256 images), the NaN
+guard (decided by all ranks together), and the checkpoint's metadata and compatibility checks. A method subclasses
+it, builds its heads in ``__init__``, lists its trained modules in :meth:`trained_modules` and writes its
+``training_step``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Literal, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
+
+from . import checkpoint as ckpt
+from . import optim
+from .backbones import build_backbone
+from .distributed import world_size
+from .errors import ConfigError, check_arguments
+
+
+class Pretraining(LightningModule):
+    """Base of the pretraining modules.
+
+    Args:
+        backbone: torchvision model name, ``"timm:<name>"``, or an ``nn.Module`` returning features (N, D).
+        cifar_stem: 3x3 stride-1 stem without max-pool for small images (ResNets).
+        in_channels: image channels (1 for grayscale).
+        image_size: input side, used only to find the feature size of models that need it.
+        width: torchvision ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).
+        channels_last: keep the encoders and their inputs in channels-last memory format (faster convolutions on
+            CPUs and tensor cores; measured +50 % for a narrow ResNet-18 on 2 CPU cores).
+        lr: learning rate per 256 images; the optimizer uses lr × global batch / 256.
+        optimizer: ``"sgd"``, ``"lars"`` (MoCo v3 ResNets; no adaptation or decay of norms and biases) or ``"adamw"``.
+        weight_decay, sgd_momentum: optimizer settings (``sgd_momentum`` for SGD and LARS).
+        decay_norm_bias: also decay norm and bias parameters (the official MoCo code does; default off).
+        lr_schedule: ``"cosine"`` (v2), ``"step"`` (v1: ×0.1 at each of ``lr_milestones`` epochs) or ``"constant"``.
+        warmup_epochs: linear warm-up length (may be fractional).
+        on_nan: a non-finite loss ``"raise"``s (every rank stops before a checkpoint holds bad weights) or
+            ``"skip"``s the batch with a warning (one process only: DDP ranks must step together).
+    """
+
+    FORMAT_VERSION = ckpt.FORMAT_VERSION
+    #: settings that change the shape of the weights: a checkpoint must agree on them (subclasses add theirs)
+    STRUCTURAL: tuple = ("backbone", "cifar_stem", "in_channels", "width")
+    RANGES = {
+        "in_channels": "int >= 1",
+        "image_size": "int >= 1",
+        "width": "> 0",
+        "lr": "> 0",
+        "weight_decay": ">= 0",
+        "sgd_momentum": "[0, 1)",
+        "warmup_epochs": ">= 0",
+        "lr_milestones": "ints >= 0",
+    }
+
+    def __init__(
+        self,
+        backbone: Union[str, nn.Module] = "resnet50",
+        cifar_stem: bool = False,
+        in_channels: int = 3,
+        image_size: int = 224,
+        width: float = 1.0,
+        channels_last: bool = False,
+        lr: float = 0.03,
+        optimizer: Literal["sgd", "lars", "adamw"] = "sgd",
+        weight_decay: float = 1e-4,
+        sgd_momentum: float = 0.9,
+        decay_norm_bias: bool = False,
+        lr_schedule: Literal["cosine", "step", "constant"] = "cosine",
+        lr_milestones: Sequence[int] = (120, 160),
+        warmup_epochs: float = 0.0,
+        on_nan: Literal["raise", "skip"] = "raise",
+    ) -> None:
+        super().__init__()
+        if not isinstance(backbone, (str, nn.Module)):
+            raise ConfigError(
+                f"{type(self).__name__}: backbone={backbone!r} is not allowed; backbone must be a "
+                "torchvision model name, 'timm:<name>' or an nn.Module"
+            )
+        check_arguments(type(self).__name__, Pretraining.__init__, locals(), self.RANGES)
+        # the hyper-parameters of the whole constructor chain (Lightning collects the subclasses' arguments too)
+        self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
+        self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
+        self._rng_to_restore: Optional[dict] = None
+        self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
+        self._nan_flag: Optional[tuple] = None  # the last step's "loss not finite" flag, read one step later
+        self._stepped = 0  # global_step when optimizer_stepped() last said so
+
+    def record_hyperparameters(self, args: dict) -> None:
+        """A subclass's own arguments into ``hparams`` (``locals()`` of its ``__init__``, after ``super().__init__``).
+
+        Lightning's CLI hands the constructor only what the config sets, so the values a subclass fixes for its
+        base (``EndToEnd``: no queue) would be missing from ``hparams`` and from the checkpoint without this."""
+        self.hparams.update({k: v for k, v in args.items() if k not in ("self", "kwargs", "__class__")})
+
+    # --- features ---------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        """Backbone features: what evaluation and downstream use consume."""
+        return self.backbone(self._layout(x))
+
+    def _layout(self, x: Tensor) -> Tensor:
+        return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last and x.ndim == 4 else x
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0] if isinstance(batch, (list, tuple)) else batch)
+
+    def trained_modules(self) -> list[nn.Module]:
+        """The modules whose parameters the optimizer trains (a subclass adds its heads)."""
+        return [self.backbone]
+
+    # --- fit start / end --------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.hparams.on_nan == "skip" and self.trainer.world_size > 1:
+            raise ConfigError(
+                f"{type(self).__name__}: on_nan='skip' cannot be used with {self.trainer.world_size} processes: every "
+                "rank must take the same optimizer steps (Lightning does not support skipping a batch under DDP); "
+                "use on_nan='raise'"
+            )
+        if stage == "fit" and self.hparams.channels_last:
+            self.to(memory_format=torch.channels_last)
+
+    def on_fit_start(self) -> None:
+        # The buffers kept out of DDP's per-forward broadcast (a dictionary every rank updates alike) start equal on
+        # every rank, even without a common seed: broadcast once from rank 0.
+        for name in getattr(self, "_ddp_params_and_buffers_to_ignore", []) if world_size() > 1 else ():
+            dist.broadcast(self.get_buffer(name), src=0)
+
+    def on_train_start(self) -> None:
+        # Lightning's DistributedSampler gives every rank the same number of samples, so every batch has the same
+        # size on every rank; otherwise (a sampler of one's own, uneven shards) the gathers exchange sizes first.
+        loader = self.trainer.train_dataloader
+        self._equal_batches = isinstance(getattr(loader, "sampler", None), DistributedSampler) and (
+            getattr(loader, "batch_size", None) is not None
+        )
+        if self._rng_to_restore is not None:  # resuming: this rank's global RNGs continue where they were saved
+            ckpt.set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
+        self._stepped = self.global_step
+
+    def optimizer_stepped(self) -> bool:
+        """True once after each optimizer step (not after a gradient-accumulation micro-batch): for momentum updates."""
+        stepped, self._stepped = self.global_step != self._stepped, self.global_step
+        return stepped
+
+    @property
+    def _equal_sizes(self) -> bool:
+        """Every rank's training batch has the same size (validation loaders may end unevenly: sizes exchanged)."""
+        return self._equal_batches and self.training
+
+    def on_train_end(self) -> None:
+        self._raise_if_last_loss_was_not_finite()
+
+    # --- non-finite losses: decided by all ranks together, read one step late ------------------
+    def loss_is_usable(self, loss: Tensor, batch_idx: int) -> bool:
+        """False: skip this batch (``on_nan="skip"``, one process). Otherwise the check is collective and deferred:
+
+        a "not finite" flag is all-reduced (max) so that every rank sees a NaN of any rank and all stop at the same
+        step (a per-rank check stops one rank, and the others wait in the next collective until a timeout). It is
+        copied to the host asynchronously and read at the start of the next step, before a checkpoint is saved,
+        or at the end of training: reading it now would stall the GPU once per step."""
+        self._raise_if_last_loss_was_not_finite()
+        if self.hparams.on_nan == "skip":  # reading the loss synchronises with the device
+            if torch.isfinite(loss):
+                return True
+            warnings.warn(
+                f"{type(self).__name__}: loss is {loss.item()} {self._where(batch_idx)}; batch skipped (on_nan='skip')",
+                stacklevel=2,
+            )
+            return False
+        flag = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(1)
+        if world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        event = None
+        if flag.is_cuda:
+            host = torch.empty_like(flag, device="cpu").pin_memory()
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flag = host
+        self._nan_flag = (flag, event, loss.detach(), self._where(batch_idx))
+        return True
+
+    def _raise_if_last_loss_was_not_finite(self) -> None:
+        if self._nan_flag is None:
+            return
+        flag, event, loss, where = self._nan_flag
+        self._nan_flag = None
+        if event is not None:
+            event.synchronize()
+        if int(flag):
+            whose = "loss" if not torch.isfinite(loss) else "this rank's loss"
+            raise FloatingPointError(
+                f"{type(self).__name__}: {whose} is {loss.item()} {where}"
+                + (" (a non-finite loss on another rank)" if torch.isfinite(loss) else "")
+                + f". Likely causes: a learning rate too high (lr={self.hparams.lr} per 256 images, now "
+                f"{self.trainer.optimizers[0].param_groups[0]['lr']:.4g}), a temperature too low (temperature="
+                f"{self.hparams.get('temperature')}), or fp16 overflow (precision={self.trainer.precision!r}: try "
+                "bf16-mixed or 32). Every rank stopped; no checkpoint was written with the weights of that step: "
+                "resume from the last good checkpoint with a lower lr, or set on_nan='skip' (one process only)."
+            )
+
+    def _where(self, batch_idx: int) -> str:
+        return f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+
+    def refuse_half_precision_weights(self, what: str) -> None:
+        """For methods with a momentum (EMA) copy: half-precision weights would stop it from moving."""
+        if str(self.trainer.precision) in ("bf16-true", "16-true"):
+            raise ConfigError(
+                f"{type(self).__name__}: precision={self.trainer.precision!r} stores {what} in half precision, where "
+                "the momentum update's step (1 - m) * (θ_q - θ_k), 0.001 of the difference at m = 0.999, is below the "
+                "format's resolution and the momentum copy stops moving: use precision='bf16-mixed' (the weights, "
+                "the queue and the logits stay fp32)"
+            )
+
+    # --- logging ----------------------------------------------------------------------------
+    def _scalar(self, value: float) -> Tensor:
+        """A Python float for ``self.log``: from pinned memory, asynchronously (a float becomes a blocking copy)."""
+        t = torch.tensor(value, dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        return t.to(self.device, non_blocking=True)
+
+    def log_contrastive(self, stage: str, loss: Tensor, sims: Tensor, labels: Tensor, **kwargs: Any) -> None:
+        """The loss and the pretext task's accuracy (is the positive the top logit), mean positive/negative cosine."""
+        pos = sims.gather(1, labels[:, None])
+        top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
+        # in the progress bar for validation only: a training-step tensor there is read on the host every step
+        self.log(f"{stage}/loss", loss, prog_bar=stage != "train", **kwargs)
+        self.log_dict(
+            {
+                f"{stage}/acc1": (top5[:, 0] == labels).float().mean(),
+                f"{stage}/acc5": (top5 == labels[:, None]).any(1).float().mean(),
+                f"{stage}/logit_pos": pos.mean(),
+                f"{stage}/logit_neg": (sims.sum() - pos.sum()) / max(1, sims.numel() - pos.numel()),
+            },
+            **kwargs,
+        )
+
+    def log_lr(self, **extra: float) -> None:
+        values = {"lr": self.trainer.optimizers[0].param_groups[0]["lr"], **extra}
+        self.log_dict({k: self._scalar(v) for k, v in values.items()}, on_step=True, on_epoch=False)
+
+    # --- optimizer --------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        total = self.trainer.estimated_stepping_batches
+        lr = hp.lr * self.global_batch_size() / 256
+        optimizer = optim.build_optimizer(
+            hp.optimizer, self.trained_modules(), lr, hp.weight_decay, hp.sgd_momentum, hp.decay_norm_bias
+        )
+        steps_per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
+        factor = optim.lr_factor(
+            hp.lr_schedule,
+            round(hp.warmup_epochs * steps_per_epoch),
+            total,
+            [m * steps_per_epoch for m in hp.lr_milestones],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def global_batch_size(self) -> int:
+        """Per-device batch × devices × accumulation, from the training loader (loaded here when not yet)."""
+        if self.trainer.train_dataloader is None:  # max_steps alone does not load it; the lr scaling needs it
+            self.trainer.fit_loop.setup_data()
+        loader = self.trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            getattr(loader, "batch_sampler", None), "batch_size", None
+        )
+        if batch_size is None:
+            raise ConfigError(
+                f"{type(self).__name__} scales lr (given per 256 images) by the global batch size, but the training "
+                "dataloader has no batch_size attribute; use a torch DataLoader with batch_size set"
+            )
+        return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._raise_if_last_loss_was_not_finite()
+        bad = [name for name, p in self.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise FloatingPointError(
+                f"{type(self).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
+            )
+        checkpoint["moco_lightning"] = ckpt.metadata()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        meta = checkpoint.get("moco_lightning")
+        ckpt.check_format(meta, type(self).__name__)
+        ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, self.STRUCTURAL, type(self).__name__)
+        self._rng_to_restore = ckpt.this_ranks_rng_states(meta)

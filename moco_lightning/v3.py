@@ -1,0 +1,85 @@
+"""MoCo v3 (Chen, Xie, He, ICCV 2021, https://arxiv.org/abs/2104.02057) as the official code has it.
+
+What changes from v1/v2 (``facebookresearch/moco-v3``, ``moco/builder.py``): no queue (the keys of the global
+batch, gathered across ranks; the positive of rank r's i-th query is column r·N + i); the loss is symmetric and
+multiplied by 2T; the query side has a projector *and* a predictor, the key side the projector only (heads of
+:func:`moco_lightning.heads.v3_heads`, ResNet or ViT layout chosen from the backbone); the momentum follows a
+cosine from ``momentum`` to 1; LARS (ResNets) or AdamW (ViTs); for ViTs the patch projection can stay random
+(§5, "random patch projection": it stabilises training).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from torch import nn
+
+from .errors import ConfigError
+from .heads import is_vit, v3_heads
+from .moco import MoCo
+
+
+class MoCoV3(MoCo):
+    """MoCo v3. Defaults: the paper's ResNet-50 recipe (LARS lr 0.6 per 256, wd 1e-6, 10 warm-up epochs, T 1.0).
+
+    Args:
+        hidden_dim: hidden size of the projector and the predictor (4096).
+        dim: output size (256).
+        vit: the official ViT heads (3-layer projector, predictor with the last BN) or the ResNet ones (2-layer
+            projector, predictor without it); None: chosen from the backbone.
+        freeze_patch_embed: keep a ViT's patch embedding fixed (``conv_proj``, torchvision's and ours).
+        **kwargs: :class:`MoCo`'s and the backbone/optimizer arguments (no queue, no head choice: these are v3's).
+    """
+
+    STRUCTURAL = MoCo.STRUCTURAL + ("vit",)
+
+    def __init__(
+        self,
+        hidden_dim: int = 4096,
+        dim: int = 256,
+        temperature: float = 1.0,
+        momentum: float = 0.99,
+        momentum_schedule: Literal["constant", "cosine"] = "cosine",
+        vit: Optional[bool] = None,
+        freeze_patch_embed: bool = False,
+        optimizer: Literal["sgd", "lars", "adamw"] = "lars",
+        lr: float = 0.6,
+        weight_decay: float = 1e-6,
+        warmup_epochs: float = 10.0,
+        shuffle_bn: Literal["auto", "ddp", "split", "off"] = "off",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            head="mlp",
+            hidden_dim=hidden_dim,
+            dim=dim,
+            queue_size=0,
+            temperature=temperature,
+            momentum=momentum,
+            momentum_schedule=momentum_schedule,
+            symmetric=True,
+            optimizer=optimizer,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_epochs=warmup_epochs,
+            shuffle_bn=shuffle_bn,
+            **kwargs,
+        )
+        self.record_hyperparameters(locals())
+        if freeze_patch_embed:
+            proj = getattr(self.backbone, "conv_proj", None)
+            if not isinstance(proj, nn.Conv2d):
+                raise ConfigError(
+                    "MoCoV3: freeze_patch_embed=True needs a ViT backbone with a patch embedding "
+                    "'conv_proj' (torchvision's vit_* or moco_lightning.backbones.ViT)"
+                )
+            proj.requires_grad_(False)
+
+    def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
+        vit: Union[bool, None] = self.hparams.vit
+        return v3_heads(
+            self.feature_dim, self.hparams.hidden_dim, self.hparams.dim, is_vit(self.backbone) if vit is None else vit
+        )
+
+    def loss_scale(self) -> float:
+        return 2 * self.hparams.temperature  # the gradient's size then does not depend on T
