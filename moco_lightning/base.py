@@ -48,18 +48,11 @@ class Pretraining(LightningModule):
     """
 
     FORMAT_VERSION = ckpt.FORMAT_VERSION
+    #: names of buffers (prefixes) that every rank updates alike: broadcast once at fit start, then kept out of DDP's
+    #: per-forward broadcast from rank 0 (32 MiB per step for a queue of 65536 x 128)
+    dictionary_buffers: tuple = ()
     #: settings that change the shape of the weights: a checkpoint must agree on them (subclasses add theirs)
     STRUCTURAL: tuple = ("backbone", "cifar_stem", "in_channels", "width")
-    RANGES = {
-        "in_channels": "int >= 1",
-        "image_size": "int >= 1",
-        "width": "> 0",
-        "lr": "> 0",
-        "weight_decay": ">= 0",
-        "sgd_momentum": "[0, 1)",
-        "warmup_epochs": ">= 0",
-        "lr_milestones": "ints >= 0",
-    }
 
     def __init__(
         self,
@@ -85,7 +78,7 @@ class Pretraining(LightningModule):
                 f"{type(self).__name__}: backbone={backbone!r} is not allowed; backbone must be a "
                 "torchvision model name, 'timm:<name>' or an nn.Module"
             )
-        check_arguments(type(self).__name__, Pretraining.__init__, locals(), self.RANGES)
+        check_arguments(type(self).__name__, Pretraining.__init__, locals())
         # the hyper-parameters of the whole constructor chain (Lightning collects the subclasses' arguments too)
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
@@ -126,6 +119,15 @@ class Pretraining(LightningModule):
             )
         if stage == "fit" and self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        # DDP's name for what it must not broadcast from rank 0 on every forward; it has no public equivalent
+        return [
+            name
+            for name, _ in self.named_buffers()
+            if self.dictionary_buffers and name.startswith(self.dictionary_buffers)
+        ]
 
     def on_fit_start(self) -> None:
         # The buffers kept out of DDP's per-forward broadcast (a dictionary every rank updates alike) start equal on

@@ -64,12 +64,7 @@ class MemoryBankMoCo(MoCo):
                 "MemoryBankMoCo: memory_bank_size must be the number of training images (>= 1); "
                 f"got {memory_bank_size}: set memory_bank_size = the number of training images"
             )
-        check_arguments(
-            "MemoryBankMoCo",
-            MemoryBankMoCo.__init__,
-            locals(),
-            {"num_negatives": "int >= 1", "bank_momentum": "[0, 1]"},
-        )
+        check_arguments("MemoryBankMoCo", MemoryBankMoCo.__init__, locals())
         super().__init__(queue_size=0, momentum=0.0, momentum_schedule="constant", **kwargs)
         self.memory_bank = MemoryBank(memory_bank_size, self.hparams.dim)
         self.record_hyperparameters(locals())

@@ -30,7 +30,17 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_arguments(owner: str, init: Callable, args: Mapping[str, Any], ranges: Mapping[str, str]) -> None:
+#: the range of every numeric constructor argument of the library's modules, by name: a name means the same thing
+#: (and has the same range) wherever it appears
+RANGES: dict[str, str] = {
+    "in_channels": "int >= 1", "image_size": "int >= 1", "width": "> 0", "lr": "> 0", "weight_decay": ">= 0",
+    "sgd_momentum": "[0, 1)", "warmup_epochs": ">= 0", "lr_milestones": "ints >= 0", "queue_size": "int >= 0",
+    "momentum": "[0, 1]", "temperature": "> 0", "dim": "int >= 1", "hidden_dim": "int >= 1", "bn_splits": "int >= 1",
+    "num_negatives": "int >= 1", "bank_momentum": "[0, 1]", "memory_bank_size": "int >= 1",
+}  # fmt: skip
+
+
+def check_arguments(owner: str, init: Callable, args: Mapping[str, Any], ranges: Mapping[str, str] = RANGES) -> None:
     """One clear error for the first bad argument, naming it and what is allowed.
 
     The choices of ``Literal``-typed parameters come from ``init``'s signature (not listed again here); ``ranges``

@@ -56,16 +56,8 @@ class MoCo(Pretraining):
     """
 
     STRUCTURAL = Pretraining.STRUCTURAL + ("head", "dim", "hidden_dim", "queue_size")
-    RANGES = {
-        **Pretraining.RANGES,
-        "queue_size": "int >= 0",
-        "momentum": "[0, 1]",
-        "temperature": "> 0",
-        "dim": "int >= 1",
-        "hidden_dim": "int >= 1",
-        "bn_splits": "int >= 1",
-    }
     has_key_encoder = True  # the paper's other dictionaries have none
+    dictionary_buffers = ("queue.", "memory_bank.")  # every rank updates them alike: kept out of DDP's broadcast
     stores_by_index = False  # the memory bank stores one row per image index
 
     def __init__(
@@ -82,27 +74,21 @@ class MoCo(Pretraining):
         bn_splits: int = 8,
         **kwargs: Any,
     ) -> None:
-        check_arguments(type(self).__name__, MoCo.__init__, locals(), self.RANGES)
+        check_arguments(type(self).__name__, MoCo.__init__, locals())
         super().__init__(**kwargs)
         self.record_hyperparameters(locals())
         # f_q: the query encoder (self.backbone) and its heads, trained by backprop
         self.projection_head, self.prediction_head = self.build_heads()
         # f_k: the key encoder, a copy of f_q moved only by the momentum update
-        self.key_backbone = copy.deepcopy(self.backbone).requires_grad_(False) if self.has_key_encoder else None
-        self.key_projection_head = (
-            copy.deepcopy(self.projection_head).requires_grad_(False) if self.has_key_encoder else None
+        self.key_backbone, self.key_projection_head = (
+            [copy.deepcopy(m).requires_grad_(False) for m in (self.backbone, self.projection_head)]
+            if self.has_key_encoder
+            else (None, None)
         )
         self.queue = KeyQueue(queue_size, dim)
         self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
         self._keys: Optional[Tensor] = None  # this step's keys of all ranks, stored after the optimizer step
         self._index: Optional[Tensor] = None  # this step's image indices of all ranks (memory bank)
-
-    @property
-    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
-        # DDP's name for what it must not broadcast from rank 0 on every forward (no public equivalent): every rank
-        # writes the same gathered keys, so the dictionary stays identical without it (32 MiB per step at K=65536);
-        # it is broadcast once at fit start instead.
-        return [name for name, _ in self.named_buffers() if name.startswith(("queue.", "memory_bank."))]
 
     def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
         """(projection head, predictor or None) of the query encoder; the key encoder copies the first."""
@@ -178,15 +164,10 @@ class MoCo(Pretraining):
         losses = [info_nce(a, b, neg, hp.temperature, 1.0, equal) for a, b, neg in terms]
         loss = len(queries) * torch.stack([term[0] for term in losses]).mean() * self.loss_scale()
         _, sims, labels = losses[0]
-        return {
-            "loss": loss,
-            "features": h.detach(),
-            "q": q.detach(),
-            "k": k.detach(),
-            "keys": self.to_store(queries, keys),
-            "sims": sims.detach(),
-            "labels": labels,
-        }
+        stored = self.to_store(queries, keys)
+        return dict(
+            loss=loss, features=h.detach(), q=q.detach(), k=k.detach(), keys=stored, sims=sims.detach(), labels=labels
+        )
 
     # --- training ---------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -221,11 +202,9 @@ class MoCo(Pretraining):
             return None
         # The stored keys (and bank indices) of all ranks are gathered here, where every rank runs the same code:
         # the momentum update and the enqueue after the optimizer step are then local, and so is a checkpoint save.
-        stored = out.pop("keys")
-        self._keys = concat_all_gather(stored, self._equal_sizes) if stored is not None else None
-        self._index = (
-            concat_all_gather(index, self._equal_sizes) if stored is not None and self.stores_by_index else None
-        )
+        stored, equal = out.pop("keys"), self._equal_sizes
+        self._keys = concat_all_gather(stored, equal) if stored is not None else None
+        self._index = concat_all_gather(index, equal) if stored is not None and self.stores_by_index else None
         self.log_contrastive("train", out["loss"], out["sims"], out["labels"], on_step=True, on_epoch=False)
         self.log_lr(**{"train/momentum": self.momentum_at(self.global_step)})
         return {key: out[key] for key in ("loss", "features", "q", "k")}
@@ -247,9 +226,8 @@ class MoCo(Pretraining):
 
     def momentum_at(self, step: int) -> float:
         """m for the optimizer step with 0-based index ``step``."""
-        return momentum_at(
-            step, self.trainer.estimated_stepping_batches, self.hparams.momentum, self.hparams.momentum_schedule
-        )
+        hp = self.hparams
+        return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
@@ -259,9 +237,8 @@ class MoCo(Pretraining):
             self._trainer is not None and self.trainer.training and self.global_step != self._stepped
         ):
             self._finish_step()
-            checkpoint["state_dict"].update(
-                {k: v for k, v in self.state_dict().items() if k.startswith(("key_", "queue.", "memory_bank."))}
-            )
+            stepped = ("key_", *self.dictionary_buffers)  # what finishing the step changed
+            checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k.startswith(stepped)})
 
     # --- validation: never stores keys, never moves the key encoder ---------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
