@@ -15,6 +15,11 @@ What only a GPU can show, each printed as one line (``check: result``):
 - ``knn_memory``: peak memory of the kNN monitor's evaluation for a bank of N x 2048 features, fp32 and bf16.
 - ``checkpoint``: a checkpoint loaded with ``map_location="cuda"`` resumes training (the RNG states were saved as
   CPU tensors and are restored from wherever they were mapped).
+- ``throughput``: MoCo v2 (``configs/moco_v2.yaml``: ResNet-50, K 65536) at 224 px in bf16-mixed and channels-last,
+  images/s of (a) the bare encoder work on views already on the GPU, (b) the full ``fit`` step on those views,
+  (c) the data path alone over a generated JPEG folder: PIL workers (crops in the workers, colour batched on the
+  GPU) vs DALI (``device="mixed"``: nvJPEG), (d) ``fit`` with each data path. Goal: (d) with DALI >= 0.9 of (a).
+- ``ddp_queue``: with 2 or more GPUs, a few DDP (NCCL) steps; the queue must be identical on every rank.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
-    "toy": dict(image=16, batch=16, images=128, steps=4, queue=256, width=0.25, bank=4096, bank_dim=64),
-    "full": dict(image=64, batch=256, images=8192, steps=30, queue=65536, width=1.0, bank=1_281_167, bank_dim=2048),
-}
+    "toy": dict(image=16, batch=16, images=128, steps=4, queue=256, width=0.25, bank=4096, bank_dim=64,
+                jpegs=16, big_image=32, big_batch=8, backbone="resnet18", workers=1, bench_steps=2, warmup=1),
+    "full": dict(image=64, batch=256, images=8192, steps=30, queue=65536, width=1.0, bank=1_281_167, bank_dim=2048,
+                 jpegs=2048, big_image=224, big_batch=128, backbone="resnet50", workers=12, bench_steps=30,
+                 warmup=3),
+}  # fmt: skip
 
 
 def synthetic_datamodule(size: dict, channels: int = 3):
@@ -87,10 +95,15 @@ def trainer(device: str, steps: int, **kw):
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        precision="bf16-mixed",
+        precision=precision(device),
     )
     args.update(kw)
     return Trainer(**args)
+
+
+def precision(device: str) -> str:
+    """bf16-mixed on the GPU; fp32 on a CPU, whose bf16 is emulated and would make the toy run take minutes."""
+    return "bf16-mixed" if device == "cuda" else "32-true"
 
 
 def check_fit(device: str, size: dict) -> str:
@@ -104,7 +117,8 @@ def check_fit(device: str, size: dict) -> str:
 
     model = moco(size)
     t = time.perf_counter()
-    trainer(device, size["steps"], callbacks=[Look()]).fit(model, synthetic_datamodule(size))
+    # bf16-mixed here on the CPU too: what autocast does to the logits and the queue is the point of this check
+    trainer(device, size["steps"], callbacks=[Look()], precision="bf16-mixed").fit(model, synthetic_datamodule(size))
     return (
         f"{size['steps']} steps in {time.perf_counter() - t:.1f} s; views on {seen['views']}, loss {seen['loss']}, "
         f"queue {model.queue.keys.dtype} on {model.queue.keys.device.type}, ptr {int(model.queue.ptr)}"
@@ -218,6 +232,141 @@ def check_checkpoint(device: str, size: dict) -> str:
         )
 
 
+def write_jpegs(root: str, n: int, seed: int = 0) -> None:
+    """``n`` smooth random 500x375 JPEGs in 4 class folders (content is irrelevant to throughput)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        small = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
+        folder = os.path.join(root, "train", f"c{i % 4}")
+        os.makedirs(folder, exist_ok=True)
+        Image.fromarray(small).resize((500, 375), Image.BICUBIC).save(os.path.join(folder, f"{i}.jpg"), quality=90)
+
+
+def check_throughput(device: str, size: dict) -> str:
+    """Images/s of the encoder work, the fit step, the data paths and fit with each (module docstring)."""
+    import lightning.pytorch as pl
+
+    from _common import config_path, from_config
+    from step_overhead import SameBatch, bare_step
+
+    out, n, steps, warm = {}, size["big_batch"], size["bench_steps"], size["warmup"]
+    with tempfile.TemporaryDirectory() as tmp:
+        write_jpegs(tmp, size["jpegs"])
+        d = "--data.init_args."
+        common = (
+            f"{d}data_dir={tmp}",
+            f"{d}val_dir=null",
+            f"{d}image_size={size['big_image']}",
+            f"{d}batch_size={n}",
+            f"--model.backbone={size['backbone']}",
+            f"--model.queue_size={size['queue']}",
+            "--model.channels_last=true",
+            f"--model.bn_splits={8 if n >= 64 else 2}",
+        )
+        paths = {
+            "PIL": (f"{d}augment_on=device", f"{d}num_workers={size['workers']}"),
+            "DALI": (f"{d}backend=dali", f"{d}num_workers={max(2, size['workers'] // 3)}"),
+        }
+        model, dm = from_config(config_path("moco_v2"), *common, *paths["PIL"])
+        dm.setup()
+        batch = next(iter(dm.train_dataloader()))
+        views = [v.to(device) for v in dm.views(batch[0].to(device), torch.Generator(device=device).manual_seed(0))]
+        model = model.to(device).to(memory_format=torch.channels_last)
+        step = bare_step(model, *views)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            for _ in range(warm):
+                step()
+            sync(device)
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync(device)
+        out["(a) bare encoder"] = n * steps / (time.perf_counter() - t)
+
+        def fit_rate(model, **data) -> float:
+            clock = []
+            cb = type(
+                "Clock", (pl.Callback,), {"on_train_batch_end": lambda self, *a: clock.append(time.perf_counter())}
+            )
+            kw = dict(
+                accelerator="gpu" if device == "cuda" else "cpu",
+                devices=1,
+                max_steps=steps + warm,
+                max_epochs=-1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                precision=precision(device),
+                callbacks=[cb()],
+            )
+            pl.Trainer(**kw).fit(model, **data)
+            return n * (len(clock) - warm) / (clock[-1] - clock[warm - 1])
+
+        same = ([v for v in views], torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
+        loader = torch.utils.data.DataLoader(
+            SameBatch(same, (steps + warm + 1) * n), batch_size=n, collate_fn=lambda b: b
+        )
+        out["(b) fit step, views on the device"] = fit_rate(
+            from_config(config_path("moco_v2"), *common)[0], train_dataloaders=loader
+        )
+        for name, overrides in paths.items():
+            model, dm = from_config(config_path("moco_v2"), *common, *overrides)
+            dm.setup()
+            it, t, k = iter(dm.train_dataloader()), time.perf_counter(), 0
+            for b in it:
+                if dm.views is not None:
+                    dm.views([x.to(device) for x in b[0]] if isinstance(b[0], list) else b[0].to(device))
+                k += n
+                if k >= n * steps:
+                    break
+            sync(device)
+            out[f"(c) data path alone, {name}"] = k / (time.perf_counter() - t)
+            out[f"(d) fit with {name}"] = fit_rate(model, datamodule=dm)
+    fit_dali, bare = out["(d) fit with DALI"], out["(a) bare encoder"]
+    return "; ".join(f"{k} {v:.0f} img/s" for k, v in out.items()) + f"; DALI fit / bare = {fit_dali / bare:.2f}"
+
+
+def check_ddp_queue(device: str, size: dict) -> str:
+    if device != "cuda" or torch.cuda.device_count() < 2:
+        return f"n/a (needs 2 or more GPUs; {torch.cuda.device_count() if device == 'cuda' else 0} here)"
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    with tempfile.TemporaryDirectory() as tmp:
+
+        class Save(pl.Callback):
+            def on_train_end(self, trainer, pl_module):
+                torch.save(pl_module.queue.keys.cpu(), os.path.join(tmp, f"q{trainer.global_rank}.pt"))
+
+        kw = dict(
+            accelerator="gpu",
+            devices=2,
+            strategy=DDPStrategy(start_method="spawn"),
+            max_steps=size["steps"],
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[Save()],
+        )
+        pl.Trainer(**kw).fit(moco(size), synthetic_datamodule(size))
+        q0, q1 = (torch.load(os.path.join(tmp, f"q{r}.pt")) for r in (0, 1))
+        return f"2 ranks x {size['steps']} steps (NCCL): queues identical: {torch.equal(q0, q1)}"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 CHECKS: dict[str, Callable[[str, dict], str]] = {
     "fit": check_fit,
     "syncs": check_syncs,
@@ -225,6 +374,8 @@ CHECKS: dict[str, Callable[[str, dict], str]] = {
     "bf16_logits": check_bf16_logits,
     "knn_memory": check_knn_memory,
     "checkpoint": check_checkpoint,
+    "throughput": check_throughput,
+    "ddp_queue": check_ddp_queue,
 }
 
 

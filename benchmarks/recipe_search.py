@@ -1,6 +1,9 @@
 """A budgeted recipe search on Fashion-MNIST: successive halving, selected on a validation split, never the test split.
 
-    python benchmarks/recipe_search.py                                       # the search of the README (~2.5 h)
+    python benchmarks/recipe_search.py --rungs 1.5 5 10 30 --keep 6 2 1 1 --candidates base crop_0.5 ... crop_1.0_width1
+        # stage 1 of the README: the first 18 candidates (its rung 2 was cut short after 2 of 6 by a machine restart)
+    python benchmarks/recipe_search.py --rungs 5 --keep 1 --candidates crop_1.0_batch128 crop_1.0_K1024 \\
+        crop_1.0_batch128_K1024 --out benchmarks/results/recipe_search_stage2.png   # stage 2: the best two combined
     python benchmarks/recipe_search.py --rungs 0.05 0.1 --keep 3 1 --eval-subset 400 --probe-epochs 1 \\
         --candidates base crop_1.0 crop_1.0_sym --out /tmp/rs.png                                  # a smoke run
 
@@ -53,6 +56,15 @@ CANDIDATES = {  # name -> overrides of BASE
     "crop_1.0_m_cosine": (*NO_CROP, "--model.momentum_schedule=cosine"),
     "crop_1.0_lars": (*NO_CROP, "--model.optimizer=lars", "--model.lr=0.3", "--model.weight_decay=1e-6"),
     "crop_1.0_width1": (*NO_CROP, "--model.width=1.0"),
+    # stage 2 (README): the two best of stage 1 combined, with and without the cosine momentum
+    "crop_1.0_batch128_K1024": (*NO_CROP, f"{D}batch_size=128", "--model.bn_splits=4", "--model.queue_size=1024"),
+    "crop_1.0_batch128_K1024_m_cosine": (
+        *NO_CROP,
+        f"{D}batch_size=128",
+        "--model.bn_splits=4",
+        "--model.queue_size=1024",
+        "--model.momentum_schedule=cosine",
+    ),
 }
 
 
@@ -146,7 +158,7 @@ def plot(out: Path, rows: list) -> None:
         ax.barh([x["candidate"] for x in sel], [100 * float(x["knn_top1"]) for x in sel], color="tab:blue", alpha=0.85)
         lo = min(100 * float(x["knn_top1"]) for x in sel)
         ax.set_xlim(lo - 2, None)
-        ax.set_title(f"rung {r}: {sel[0]['minutes']:g} min each (val kNN top-1 %)", fontsize=9)
+        ax.set_title(f"rung {r}: {float(sel[0]['minutes']):g} min each (val kNN top-1 %)", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()

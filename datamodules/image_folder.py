@@ -87,6 +87,9 @@ class ImageFolderDataModule(TwoViewDataModule):
         num_workers: decoding processes (0: in the main process).
         preset, min_scale, jitter_strength, blur: view augmentation (:mod:`~.transforms`).
         local_views, local_size, local_scale: multi-crop (SwAV §3.2: 6 views of 96 px, scale 0.05-0.14, at 224).
+        backend: ``"pil"`` (DataLoader workers decode with PIL) or ``"dali"`` (NVIDIA DALI decodes and augments, on
+            the GPU when there is one: :mod:`~moco_lightning.datamodules.dali`; ``num_workers`` is then its CPU
+            thread count).
         augment_on: ``"device"`` (crops in the workers, colour batched on the device), ``"workers"``
             (the whole lightly transform per image in the workers), or ``"auto"``: ``"device"`` when CUDA
             is available, else ``"workers"``. See the module docstring.
@@ -114,6 +117,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         local_size: Optional[int] = None,
         local_scale: Tuple[float, float] = (0.05, 0.14),
         augment_on: Literal["auto", "device", "workers"] = "auto",
+        backend: Literal["pil", "dali"] = "pil",
         in_channels: Literal[1, 3] = 3,
         mean: Optional[Sequence[float]] = None,
         std: Optional[Sequence[float]] = None,
@@ -126,6 +130,13 @@ class ImageFolderDataModule(TwoViewDataModule):
             raise ConfigError(f"in_channels must be 1 (grayscale) or 3 (RGB), got {in_channels}")
         if augment_on not in ("auto", "device", "workers"):
             raise ConfigError(f"augment_on must be 'auto', 'device' or 'workers', got {augment_on!r}")
+        if backend not in ("pil", "dali"):
+            raise ConfigError(f"backend must be 'pil' or 'dali', got {backend!r}")
+        if backend == "dali":
+            from .dali import require_dali
+
+            require_dali()
+            augment_on = "workers"  # DALI makes the views itself: nothing left for on_after_batch_transfer
         if augment_on == "auto":  # batched colour ops pay off on a GPU; on CPUs the workers share them out
             augment_on = "device" if torch.cuda.is_available() else "workers"
         self.in_channels = in_channels
@@ -149,7 +160,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         super().__init__(batch_size, image_size, num_workers, seed, pretrain, views)
         self.view_settings: ViewSettings = settings
         self.data_dir, self.train_dir, self.val_dir = data_dir, train_dir, val_dir
-        self.preset, self.augment_on, self.eval_resize = preset, augment_on, eval_resize
+        self.preset, self.augment_on, self.eval_resize, self.backend = preset, augment_on, eval_resize, backend
         self.skip_bad_images, self.train_subset, self.val_subset = skip_bad_images, train_subset, val_subset
         self._classes: Optional[List[str]] = None
         self._splits: dict[str, ImageFileDataset] = {}
@@ -264,6 +275,8 @@ class ImageFolderDataModule(TwoViewDataModule):
     # --- loaders -------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         ds = self._splits["train"]
+        if self.backend == "dali":
+            return self._dali(ds, "pretrain" if self.pretrain else "linear")
         return self._loader(ds, sampler=EpochTaggedSampler(len(ds), self.seed), drop_last=True)
 
     def val_dataloader(self) -> Union[DataLoader, List]:
@@ -271,11 +284,15 @@ class ImageFolderDataModule(TwoViewDataModule):
             return self.eval_val_dataloader()
         if "val" not in self._splits:
             return []  # no val folder: no validation
+        if self.backend == "dali":
+            return self._dali(self._splits["val"], "pretrain", shuffle=False)
         return self._loader(self._splits["val"])
 
     def eval_train_dataloader(self) -> DataLoader:
         if not self.labelled:
             raise ConfigError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
+        if self.backend == "dali":
+            return self._dali(self._eval_splits["train"], "eval")
         return self._loader(self._eval_splits["train"])
 
     def eval_val_dataloader(self) -> DataLoader:
@@ -290,4 +307,31 @@ class ImageFolderDataModule(TwoViewDataModule):
             raise ConfigError(
                 f"no validation images ({where}): put them in <data_dir>/{self.val_dir or 'val'}/<class>/*.jpg"
             )
+        if self.backend == "dali":
+            return self._dali(self._eval_splits["val"], "eval")
         return self._loader(self._eval_splits["val"])
+
+    def _dali(self, ds: ImageFileDataset, mode: str, shuffle: bool = True):
+        """A DALI loader over the files of ``ds``, sharded over the trainer's ranks, on its device."""
+        from .dali import DaliLoader
+
+        trainer = self.trainer
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None and mode != "eval" else (0, 1)
+        return DaliLoader(
+            ds.paths,
+            ds.targets.tolist(),
+            mode,
+            self.view_settings,
+            self.mean,
+            self.std,
+            self.batch_size,
+            self.seed,
+            rank,
+            world,
+            device.index if device.type == "cuda" else None,
+            max(1, self.num_workers),
+            self.eval_resize,
+            self.in_channels,
+            shuffle,
+        )

@@ -45,6 +45,9 @@ class Pretraining(LightningModule):
         warmup_epochs: linear warm-up length (may be fractional).
         on_nan: a non-finite loss ``"raise"``s (every rank stops before a checkpoint holds bad weights) or
             ``"skip"``s the batch with a warning (one process only: DDP ranks must step together).
+        compile: compile the encoders and heads with ``torch.compile`` at fit start (``nn.Module.compile``: in place,
+            the parameters, buffers and state-dict keys stay the module's own, so the momentum update, the queue
+            and checkpoints are unchanged). ``compile_backend``: torch.compile's backend (``"inductor"``).
     """
 
     FORMAT_VERSION = ckpt.FORMAT_VERSION
@@ -71,6 +74,8 @@ class Pretraining(LightningModule):
         lr_milestones: Sequence[int] = (120, 160),
         warmup_epochs: float = 0.0,
         on_nan: Literal["raise", "skip"] = "raise",
+        compile: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         super().__init__()
         if not isinstance(backbone, (str, nn.Module)):
@@ -109,6 +114,10 @@ class Pretraining(LightningModule):
         """The modules whose parameters the optimizer trains (a subclass adds its heads)."""
         return [self.backbone]
 
+    def compiled_modules(self) -> list[nn.Module]:
+        """What ``compile=True`` compiles: every child module with parameters (encoders, heads, momentum copies)."""
+        return [m for m in self.children() if next(m.parameters(), None) is not None]
+
     # --- fit start / end --------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if stage == "fit" and self.hparams.on_nan == "skip" and self.trainer.world_size > 1:
@@ -119,6 +128,10 @@ class Pretraining(LightningModule):
             )
         if stage == "fit" and self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
+        if stage == "fit" and self.hparams.compile and not getattr(self, "_compiled", False):
+            for module in self.compiled_modules():
+                module.compile(backend=self.hparams.compile_backend)
+            self._compiled = True
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
@@ -139,8 +152,9 @@ class Pretraining(LightningModule):
         # Lightning's DistributedSampler gives every rank the same number of samples, so every batch has the same
         # size on every rank; otherwise (a sampler of one's own, uneven shards) the gathers exchange sizes first.
         loader = self.trainer.train_dataloader
-        self._equal_batches = isinstance(getattr(loader, "sampler", None), DistributedSampler) and (
-            getattr(loader, "batch_size", None) is not None
+        self._equal_batches = getattr(loader, "equal_batches", False) or (  # DALI loaders say so themselves
+            isinstance(getattr(loader, "sampler", None), DistributedSampler)
+            and getattr(loader, "batch_size", None) is not None
         )
         if self._rng_to_restore is not None:  # resuming: this rank's global RNGs continue where they were saved
             ckpt.set_rng_states(self._rng_to_restore)

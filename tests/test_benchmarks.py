@@ -92,20 +92,21 @@ def test_data_throughput_paths():
         "1",
         "--workers",
         "0",
-        "--train-steps",
-        "0",
+        "--kornia",
+        "1",
         "--folder-images",
-        "8",
+        "16",
         "--folder-size",
         "32",
         "--folder-batch-size",
-        "4",
-        "--kornia",
+        "8",
+        "--train-steps",
         "1",
         "--threads",
         "1",
     )
-    assert "BatchViews" in out and "kornia" in out and "augment_on='device'" in out
+    assert "BatchViews" in out and "kornia" in out and "DALI (CPU pipeline)" in out and "DALI / best PIL" in out
+    assert out.count("s/step, waiting") == 3  # PIL workers, PIL + batched colour, DALI
 
 
 def test_ddp_queue_broadcast_runs_two_processes():

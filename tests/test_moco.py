@@ -504,3 +504,26 @@ def test_multi_crop_resume_is_bit_equal(tmp_path):
     resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_compiled_encoders_give_the_eager_loss_and_the_momentum_update_moves_the_real_weights(tmp_path):
+    """torch.compile (its aot_eager backend here, seconds instead of inductor's minutes on a CPU) for a few steps."""
+    losses = {}
+    for compiled in (False, True):
+        seed_everything(0, verbose=False)
+        model = tiny_moco(compile=compiled, compile_backend="aot_eager", shuffle_bn="split", bn_splits=4)
+        record = losses.setdefault(compiled, [])
+
+        class Losses(Callback):
+            def __init__(self, into):
+                self.into = into
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.into.append(outputs["loss"].item())
+
+        before = {k: v.clone() for k, v in model.key_backbone.state_dict().items()}
+        cpu_trainer(max_steps=3, limit_val_batches=0, callbacks=[Losses(record)]).fit(model, tiny_data())
+        assert set(model.state_dict()) == set(tiny_moco().state_dict())  # no "_orig_mod." keys: plain checkpoints
+        assert not torch.equal(before["0.weight"], model.key_backbone.state_dict()["0.weight"])  # the EMA moved it
+        assert model.queue.ptr.item() == 3 * 16 % 32
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

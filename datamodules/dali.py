@@ -1,0 +1,247 @@
+"""NVIDIA DALI as the image-folder data path: decoding and augmentation in DALI pipelines (on the GPU if any).
+
+``ImageFolderDataModule(backend="dali")`` uses :class:`DaliLoader` instead of PIL in DataLoader workers. DALI
+(https://github.com/NVIDIA/DALI, PyPI ``nvidia-dali-cuda130``: ``pip install "moco-lightning[dali]"``) decodes
+JPEGs with nvJPEG on the GPU (``device="mixed"``) and runs the whole view augmentation there; without a GPU it runs
+CPU-only pipelines (``device_id=None``) in its own C++ threads. The contract is the datamodules' (``base.py``):
+training batches ``([view_1, view_2, *local_views], targets, index)``, evaluation batches ``(image, target, index)``.
+
+- Order and sharding: every epoch's order is :class:`~.base.SeededRandomSampler`'s permutation of ``(seed, epoch)``,
+  padded to a multiple of the world size and cut ``rank::world`` (as ``DistributedSampler``), so every rank gets
+  the same number of batches; training drops the last partial batch. The file bytes are read in Python and fed
+  through ``fn.external_source`` in that order.
+- Randomness: the pipeline of each epoch is seeded by ``(seed, epoch, rank)``: an epoch's views are the same
+  whether or not the run was resumed (Lightning restarts an interrupted epoch from its start, as with PIL).
+- Views per preset: random resized crop (torchvision's area and aspect ranges), flip, colour jitter (brightness,
+  contrast, saturation and hue factors as torchvision's, applied with the preset's probability), grayscale, Gaussian
+  blur (sigma scaled with the image side as the other paths), solarization, normalisation; local views for
+  multi-crop. Evaluation: resize of the shorter side, centre crop, normalisation. Differences from PIL/torchvision:
+  DALI's resampling filters, and the jitter ops in one fixed order (``color_twist``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from moco_lightning.errors import ConfigError
+
+from .transforms import ViewSettings
+
+
+def require_dali():
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "backend='dali' needs NVIDIA DALI: pip install \"moco-lightning[dali]\" (PyPI nvidia-dali-cuda130; it runs "
+            "CPU-only pipelines on machines without a GPU), or use backend='pil'"
+        ) from None
+
+
+class DaliLoader:
+    """An iterable of batches from image files through a DALI pipeline; ``len()`` batches per epoch.
+
+    Args:
+        paths, targets: the files and their labels.
+        mode: ``"pretrain"`` (the preset's two views + local views), ``"linear"`` (one view: crop 0.08-1 + flip) or
+            ``"eval"`` (resize ``eval_resize`` + centre crop; in order, nothing dropped, not sharded).
+        settings, mean, std, eval_resize, channels: the views and the normalisation.
+        batch_size, seed, rank, world: per-rank batch, the order's seed, this rank's shard.
+        device_id: the CUDA device for ``device="mixed"`` decoding and GPU ops; None: a CPU pipeline.
+        num_threads: DALI's CPU threads.
+        shuffle: a new order (and new views) every epoch; False: the files in order, the same views every epoch
+            (a validation loader), still sharded over the ranks.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        targets: Sequence[int],
+        mode: str,
+        settings: ViewSettings,
+        mean: Sequence[float],
+        std: Sequence[float],
+        batch_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        device_id: Optional[int] = None,
+        num_threads: int = 2,
+        eval_resize: Optional[int] = None,
+        channels: int = 3,
+        shuffle: bool = True,
+    ) -> None:
+        require_dali()
+        if mode not in ("pretrain", "linear", "eval"):
+            raise ConfigError(f"DaliLoader: mode must be 'pretrain', 'linear' or 'eval', got {mode!r}")
+        self.paths, self.targets = list(paths), np.asarray(targets, dtype=np.int64)
+        self.mode, self.settings, self.mean, self.std = mode, settings, tuple(mean), tuple(std)
+        self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
+        self.device_id, self.num_threads, self.channels = device_id, num_threads, channels
+        self.eval_resize = eval_resize or int(round(settings.image_size / 0.875))
+        self.epoch, self.shuffle = 0, shuffle and mode != "eval"
+        self.sampler, self.batch_sampler = self, None  # Lightning calls ``sampler.set_epoch(epoch)`` every epoch
+        self.equal_batches = mode != "eval"  # every rank gets as many full batches: gathers need not exchange sizes
+
+    # --- order -------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle:
+            self.epoch = epoch
+
+    def order(self) -> np.ndarray:
+        n = len(self.paths)
+        if self.mode == "eval":
+            return np.arange(n)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)  # SeededRandomSampler's permutation
+        perm = torch.randperm(n, generator=g).numpy() if self.shuffle else np.arange(n)
+        per_rank = math.ceil(n / self.world)
+        perm = np.concatenate([perm, perm[: per_rank * self.world - n]])  # padded as DistributedSampler
+        return perm[self.rank :: self.world]
+
+    def __len__(self) -> int:
+        n = len(self.order())
+        return n // self.batch_size if self.shuffle else math.ceil(n / self.batch_size)
+
+    # --- the pipeline --------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Tuple]:
+        order = self.order()
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.shuffle:  # training: the last partial batch is dropped
+            batches = [b for b in batches if len(b) == self.batch_size]
+        if not batches:
+            return
+        pipe = self._pipeline(batches)
+        for index in batches:
+            outputs = pipe.run()
+            views = [self._to_torch(o) for o in outputs]
+            targets, idx = torch.from_numpy(self.targets[index]), torch.from_numpy(index.astype(np.int64))
+            yield (views, targets, idx) if self.mode == "pretrain" else (views[0], targets, idx)
+
+    def _pipeline(self, batches: List[np.ndarray]):
+        from nvidia.dali import fn, pipeline_def, types
+
+        paths = self.paths
+
+        def source(info):
+            if info.iteration >= len(batches):
+                raise StopIteration
+            return [np.fromfile(paths[i], dtype=np.uint8) for i in batches[info.iteration]]
+
+        seed = hash((self.seed, self.epoch, self.rank, self.mode)) & (2**31 - 1)
+        gpu = self.device_id is not None
+        st = self.settings
+
+        @pipeline_def(
+            batch_size=self.batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device_id,
+            seed=seed,
+            exec_dynamic=True,
+            prefetch_queue_depth=2,
+        )
+        def pipeline():
+            encoded = fn.external_source(source=source, batch=True, batch_info=True, dtype=types.UINT8)
+            images = fn.decoders.image(
+                encoded, device="mixed" if gpu else "cpu", output_type=types.RGB if self.channels == 3 else types.GRAY
+            )
+            if self.mode == "eval":
+                x = fn.resize(images, resize_shorter=self.eval_resize)
+                return self._normalise(x, crop=(st.image_size, st.image_size))
+            if self.mode == "linear":
+                return self._view(images, st.image_size, (0.08, 1.0), colour=False)
+            views = [
+                self._view(
+                    images, st.image_size, (st.min_scale, 1.0), blur=st.blur_prob[v], solarize=st.solarize_prob[v]
+                )
+                for v in range(2)
+            ]
+            local = (sum(st.blur_prob) / 2, sum(st.solarize_prob) / 2)
+            views += [
+                self._view(images, st.local_size, st.local_scale, blur=local[0], solarize=local[1])
+                for _ in range(st.local_views)
+            ]
+            return tuple(views)
+
+        pipe = pipeline()
+        pipe.build()
+        return pipe
+
+    def _view(
+        self,
+        images,
+        size: int,
+        scale: Tuple[float, float],
+        colour: bool = True,
+        blur: float = 0.0,
+        solarize: float = 0.0,
+    ):
+        from nvidia.dali import fn, types
+
+        st = self.settings
+        x = fn.random_resized_crop(images, size=(size, size), random_area=scale, random_aspect_ratio=(3 / 4, 4 / 3))
+        x = fn.cast(x, dtype=types.FLOAT)
+        if colour and st.jitter_prob > 0 and any(st.jitter):
+            b, c, s, h = st.jitter
+            brightness = fn.random.uniform(range=(max(0, 1 - b), 1 + b))
+            contrast = fn.random.uniform(range=(max(0, 1 - c), 1 + c))
+            if self.channels == 3:
+                twisted = fn.color_twist(
+                    x,
+                    brightness=brightness,
+                    contrast=contrast,
+                    saturation=fn.random.uniform(range=(max(0, 1 - s), 1 + s)),
+                    hue=fn.random.uniform(range=(-360 * h, 360 * h)),
+                )
+            else:  # one channel: no colour to change, brightness and contrast only
+                twisted = fn.brightness_contrast(x, brightness=brightness, contrast=contrast, contrast_center=128.0)
+            x = _mix(x, twisted, st.jitter_prob)
+        if colour and st.gray_prob > 0 and self.channels == 3:
+            x = _mix(x, fn.hsv(x, saturation=0.0), st.gray_prob)
+        if blur > 0:
+            lo, hi = st.blur_sigma
+            sigma = fn.random.uniform(range=(lo * size / 224, hi * size / 224))
+            k = max(3, int(0.1 * size) // 2 * 2 + 1)
+            x = _mix(x, fn.gaussian_blur(x, sigma=sigma, window_size=k), blur)
+        if solarize > 0:
+            x = _mix(x, x + fn.cast(x >= 128.0, dtype=types.FLOAT) * (255.0 - 2.0 * x), solarize)
+        return self._normalise(x, mirror=fn.random.coin_flip(probability=st.hflip_prob))
+
+    def _normalise(self, x, crop=None, mirror=None):
+        from nvidia.dali import fn, types
+
+        kw = {"crop": crop} if crop is not None else {}
+        if mirror is not None:
+            kw["mirror"] = mirror
+        return fn.crop_mirror_normalize(
+            x,
+            dtype=types.FLOAT,
+            output_layout="CHW",
+            mean=[255 * m for m in self.mean],
+            std=[255 * s for s in self.std],
+            **kw,
+        )
+
+    def _to_torch(self, tensor_list) -> Tensor:
+        if self.device_id is None:
+            return torch.from_numpy(np.asarray(tensor_list.as_tensor()))
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        dense = tensor_list.as_tensor()
+        out = torch.empty(dense.shape(), dtype=torch.float32, device=torch.device("cuda", self.device_id))
+        feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(self.device_id))
+        return out
+
+
+def _mix(x, y, p: float):
+    """``y`` with probability ``p`` per sample, else ``x`` (DALI has no per-sample branch: a blend with 0/1)."""
+    from nvidia.dali import fn, types
+
+    if p >= 1:
+        return y
+    c = fn.cast(fn.random.coin_flip(probability=p), dtype=types.FLOAT)
+    return c * y + (1.0 - c) * x

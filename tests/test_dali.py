@@ -1,0 +1,130 @@
+"""The DALI backend of the image-folder datamodule, on CPU-only DALI pipelines (device_id=None)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moco_lightning.datamodules import ImageFolderDataModule
+from moco_lightning.datamodules.dali import DaliLoader
+
+from test_image_folder import write_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def folder(tmp_path, n=8):
+    write_tree(tmp_path, n_per_class=n)
+    return str(tmp_path)
+
+
+def dm(root, **kw):
+    args = dict(batch_size=4, image_size=32, num_workers=1, backend="dali")
+    args.update(kw)
+    d = ImageFolderDataModule(root, **args)
+    d.setup()
+    return d
+
+
+def test_training_batches_follow_the_contract_and_epochs_are_seeded(tmp_path):
+    d = dm(folder(tmp_path), local_views=2, local_size=16)
+    loader = d.train_dataloader()
+    assert len(loader) == 16 // 4 and loader.batch_size == 4 and loader.equal_batches
+    epoch0 = list(loader)
+    (v1, v2, l1, l2), targets, index = epoch0[0]
+    assert v1.shape == v2.shape == (4, 3, 32, 32) and l1.shape == l2.shape == (4, 3, 16, 16)
+    assert v1.dtype == torch.float32 and abs(v1.mean().item()) < 1.5 and not torch.equal(v1, v2)
+    ds = d._splits["train"]
+    assert torch.equal(targets, ds.targets[index])  # each label is its file's class
+    assert sorted(torch.cat([b[2] for b in epoch0]).tolist()) == list(range(16))  # every image once per epoch
+    again = list(loader)  # the same epoch again: the same order and the same views (what a resume sees)
+    assert all(torch.equal(a[0][0], b[0][0]) and torch.equal(a[2], b[2]) for a, b in zip(epoch0, again))
+    loader.set_epoch(1)
+    epoch1 = list(loader)
+    assert not torch.equal(epoch1[0][2], epoch0[0][2])  # a new order (SeededRandomSampler's, epoch 1)
+
+
+def test_ranks_get_equal_disjoint_shards(tmp_path):
+    d = dm(folder(tmp_path, n=5))  # 10 images, 2 ranks: 5 each, one batch of 4 per rank
+    ds = d._splits["train"]
+    shards = [
+        DaliLoader(ds.paths, ds.targets.tolist(), "pretrain", d.view_settings, d.mean, d.std, 4, rank=r, world=2)
+        for r in (0, 1)
+    ]
+    orders = [s.order() for s in shards]
+    assert len(orders[0]) == len(orders[1]) == 5 and len(shards[0]) == len(shards[1]) == 1
+    assert set(orders[0]) | set(orders[1]) == set(range(10)) and not set(orders[0]) & set(orders[1])
+
+
+def test_evaluation_loader_is_every_file_in_order_close_to_the_pil_transform(tmp_path):
+    root = folder(tmp_path)
+    dali, pil = dm(root), dm(root, backend="pil", num_workers=0)
+    a, b = list(dali.eval_train_dataloader()), list(pil.eval_train_dataloader())
+    assert torch.equal(torch.cat([x[2] for x in a]), torch.arange(16)) and torch.equal(
+        torch.cat([x[1] for x in a]), torch.cat([x[1] for x in b])
+    )
+    xa, xb = torch.cat([x[0] for x in a]), torch.cat([x[0] for x in b])
+    assert xa.shape == xb.shape and (xa - xb).abs().mean() < 0.15  # resampling filters differ, the content does not
+
+
+def test_grayscale_and_linear_evaluation_views(tmp_path):
+    d = dm(folder(tmp_path), in_channels=1, pretrain=False)
+    x, y, i = next(iter(d.train_dataloader()))
+    assert x.shape == (4, 1, 32, 32) and y.shape == (4,)
+
+
+def test_trains_moco_through_the_cli_with_backend_dali(tmp_path):
+    """The issue's must-show: configs/moco_v2.yaml with --data.init_args.backend dali, on the CPU."""
+    import subprocess
+
+    root = folder(tmp_path)
+    exe = Path(sys.executable).with_name("moco-lightning")
+    out = subprocess.run(
+        [
+            str(exe),
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "moco_v2.yaml"),
+            "--trainer.fast_dev_run=2",
+            "--trainer.accelerator=cpu",
+            f"--data.init_args.data_dir={root}",
+            "--data.init_args.backend=dali",
+            "--data.init_args.batch_size=8",
+            "--data.init_args.image_size=32",
+            "--model.bn_splits=2",
+            "--data.init_args.num_workers=1",
+            "--model.backbone=resnet18",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in out.stderr + out.stdout
+
+
+def test_missing_dali_says_how_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_dali(name, *a, **k):
+        if name.startswith("nvidia.dali"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_dali)
+    with pytest.raises(ValueError, match=r"pip install \"moco-lightning\[dali\]\""):
+        ImageFolderDataModule(folder(tmp_path), backend="dali")
+
+
+def test_views_are_seeded_by_the_seed(tmp_path):
+    root = folder(tmp_path)
+    a = next(iter(dm(root, seed=0).train_dataloader()))[0][0]
+    b = next(iter(dm(root, seed=0).train_dataloader()))[0][0]
+    c = next(iter(dm(root, seed=1).train_dataloader()))[0][0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert np.isfinite(a.numpy()).all()
