@@ -215,7 +215,9 @@ class KNNMonitor(Callback):
         run_at_start: evaluate the baseline in ``on_train_start`` (skipped when resuming mid-run).
         pixel_baseline: also log ``<log_prefix>/knn_acc1_pixels`` (and ``_acc5_pixels``) once at the start: the same
             kNN, bank and queries on the raw normalised pixels (flattened) instead of features, the baseline an
-            encoder has to beat (for images small enough to flatten: 28 px is 784 values).
+            encoder has to beat (for images small enough to flatten: 28 px is 784 values); and the step-0 encoder's
+            numbers once more as ``<log_prefix>/knn_acc1_init``, so that the final metrics show the trained encoder,
+            the random-init encoder and the raw pixels side by side.
 
     Attributes:
         history: ``[(global_step, acc1), ...]`` of every evaluation, kept in checkpoints.
@@ -282,6 +284,7 @@ class KNNMonitor(Callback):
             # self.log here would be written at the end of the first epoch: write at step 0 directly.
             metrics = self.evaluate(trainer, pl_module)
             if self.pixel_baseline:
+                metrics.update({f"{name}_init": value for name, value in metrics.items()})
                 metrics.update(self.evaluate(trainer, pl_module, pixels=True))
             log_now(trainer, metrics)
 

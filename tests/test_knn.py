@@ -221,7 +221,12 @@ def test_pixel_baseline_is_logged_once_beside_the_encoder(seeded):
     data = ToyData(num_classes=3)
     monitor = KNNMonitor(k=10, pixel_baseline=True, every_n_epochs=1)
     logger = RecordingLogger()
-    trainer(max_epochs=1, logger=logger, callbacks=[monitor]).fit(TinyNet(), datamodule=data)
+    t = trainer(max_epochs=1, logger=logger, callbacks=[monitor])
+    t.fit(TinyNet(), datamodule=data)
     expected = knn_accuracy(nn.Flatten(), data.eval_train_dataloader(), data.eval_val_dataloader(), num_classes=3, k=10)
     assert logger.series("val/knn_acc1_pixels") == [(0, pytest.approx(expected["acc1"]))]
     assert len(logger.series("val/knn_acc1")) == 2 and len(monitor.history) == 2  # the pixels are not in the history
+    assert logger.series("val/knn_acc1_init") == [(0, pytest.approx(monitor.history[0][1]))]  # the random-init encoder
+    final = t.callback_metrics  # what the CLI's final table prints: the three side by side
+    assert {"val/knn_acc1", "val/knn_acc1_init", "val/knn_acc1_pixels"} <= set(final)
+    assert float(final["val/knn_acc1"]) == pytest.approx(monitor.history[1][1])
