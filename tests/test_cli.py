@@ -46,7 +46,7 @@ def test_python_dash_m_entry_point_and_bad_argument(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "queue_size: 4096" in result.stdout and "FashionMNISTDataModule" in result.stdout
+    assert "queue_size: 1024" in result.stdout and "FashionMNISTDataModule" in result.stdout
     bad = run(
         [
             sys.executable,
