@@ -291,21 +291,7 @@ def check_throughput(device: str, size: dict) -> str:
             cb = type(
                 "Clock", (pl.Callback,), {"on_train_batch_end": lambda self, *a: clock.append(time.perf_counter())}
             )
-            kw = dict(
-                accelerator="gpu" if device == "cuda" else "cpu",
-                devices=1,
-                max_steps=steps + warm,
-                max_epochs=-1,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                limit_val_batches=0,
-                precision=precision(device),
-                callbacks=[cb()],
-            )
-            pl.Trainer(**kw).fit(model, **data)
+            trainer(device, steps + warm, callbacks=[cb()]).fit(model, **data)
             return n * (len(clock) - warm) / (clock[-1] - clock[warm - 1])
 
         same = ([v for v in views], torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
@@ -344,20 +330,9 @@ def check_ddp_queue(device: str, size: dict) -> str:
             def on_train_end(self, trainer, pl_module):
                 torch.save(pl_module.queue.keys.cpu(), os.path.join(tmp, f"q{trainer.global_rank}.pt"))
 
-        kw = dict(
-            accelerator="gpu",
-            devices=2,
-            strategy=DDPStrategy(start_method="spawn"),
-            max_steps=size["steps"],
-            max_epochs=-1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[Save()],
-        )
-        pl.Trainer(**kw).fit(moco(size), synthetic_datamodule(size))
+        strategy = DDPStrategy(start_method="spawn")
+        ddp = trainer(device, size["steps"], devices=2, strategy=strategy, callbacks=[Save()], precision="32-true")
+        ddp.fit(moco(size), synthetic_datamodule(size))
         q0, q1 = (torch.load(os.path.join(tmp, f"q{r}.pt")) for r in (0, 1))
         return f"2 ranks x {size['steps']} steps (NCCL): queues identical: {torch.equal(q0, q1)}"
 

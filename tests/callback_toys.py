@@ -139,16 +139,7 @@ class RecordingLogger(Logger):
 
 
 def trainer(**kwargs: Any) -> Trainer:
-    args = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-    )
-    args.update(kwargs)
-    return Trainer(**args)
+    """conftest's CPU trainer, logging every step."""
+    from conftest import cpu_trainer
+
+    return cpu_trainer(**{"log_every_n_steps": 1, **kwargs})
