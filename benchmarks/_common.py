@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import platform
 import shlex
@@ -329,7 +330,10 @@ def make_reference(hp, batch_size: int, total_steps: Optional[int] = None):
             )
             if not total_steps:
                 return optim
-            sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=max(1, total_steps))
+            total = max(1, total_steps)  # a LambdaLR (not CosineAnnealingLR's recursion) that quality.py can re-plan
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                optim, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+            )
             return {"optimizer": optim, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     return ReferenceMoCo()

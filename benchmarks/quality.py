@@ -11,8 +11,10 @@ per-image ``MoCoV2Transform`` in DataLoader workers (the faster of ``--ref-worke
 
 1. speed: a throwaway run times seconds per step (not counted in the budget);
 2. plan: ``steps = budget / (s/step)``; the cosine lr schedule spans exactly these steps;
-3. train; a callback keeps the training clock (evaluations pause it), stops at the budget if the plan was
-   optimistic, and evaluates the kNN at ``--curve-points`` steps on a small fixed set;
+3. train; a callback keeps the training clock (evaluations pause it), re-plans once after ``--replan-at`` of the
+   planned steps from the speed measured in the run itself (the machine is shared: its speed drifts between the
+   timing and the run), stretching or shrinking the lr schedule to the new step count, stops at the budget if the
+   plan was still optimistic, and evaluates the kNN at ``--curve-points`` steps on a small fixed set;
 4. evaluate the frozen backbone: weighted kNN top-1 (k 200, T 0.1, cosine: the library's ``knn_counts``) and a
    linear probe (the library's ``probe_accuracy``: standardised features, Adam, ``--probe-epochs``).
 
@@ -120,13 +122,31 @@ class System:
         return clock.seconds(warmup, steps) / steps
 
 
-def budget_callback(budget_s: float, eval_steps: set, evaluate_fn: Callable[[nn.Module], float], name: str):
-    """The training clock (evaluations excluded), the kNN curve, the stop at the budget."""
+def rescale_schedule(trainer, step: int, old_total: int, new_total: int) -> None:
+    """Stretch what is left of every ``LambdaLR`` of the run: from ``step``, ``old_total − step`` steps become
+    ``new_total − step`` (the lr is continuous at ``step`` and reaches the old end value at ``new_total``)."""
+    ratio = (old_total - step) / max(1, new_total - step)
+    for config in trainer.lr_scheduler_configs:
+        sched = config.scheduler
+        if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+            raise TypeError(f"re-planning needs a LambdaLR schedule, got {type(sched).__name__}")
+        sched.lr_lambdas = [(lambda t, f=f: f(t if t <= step else step + (t - step) * ratio)) for f in sched.lr_lambdas]
+
+
+def budget_callback(
+    budget_s: float,
+    eval_steps: set,
+    evaluate_fn: Callable[[nn.Module], float],
+    name: str,
+    replan_step: Optional[int] = None,
+):
+    """The training clock (evaluations excluded), the kNN curve, one re-plan at ``replan_step``, the stop at the
+    budget."""
     from lightning.pytorch import Callback
 
     class Budget(Callback):
         def __init__(self) -> None:
-            self.train_s, self.curve, self.stopped_at_budget = 0.0, [], False
+            self.train_s, self.curve, self.stopped_at_budget, self.replanned = 0.0, [], False, None
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.last = time.perf_counter()
@@ -141,8 +161,23 @@ def budget_callback(budget_s: float, eval_steps: set, evaluate_fn: Callable[[nn.
                 flush=True,
             )
 
+        def replan(self, trainer) -> None:
+            step, old = trainer.global_step, trainer.max_steps
+            new = max(step + 1, int(budget_s * step / self.train_s))
+            if new != old:
+                rescale_schedule(trainer, step, old, new)
+                trainer.fit_loop.epoch_loop.max_steps = new
+            self.replanned = (step, old, new)
+            print(
+                f"    [{name}] re-plan at step {step}: {self.train_s / step:.3f} s/step in the run -> {new} steps "
+                f"(planned {old})",
+                flush=True,
+            )
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.train_s += time.perf_counter() - self.last
+            if replan_step and trainer.global_step == replan_step and math.isfinite(budget_s):
+                self.replan(trainer)
             if self.train_s >= budget_s and not trainer.should_stop:
                 trainer.should_stop = self.stopped_at_budget = True
             if trainer.global_step in eval_steps or trainer.should_stop:
@@ -189,7 +224,10 @@ def run_system(
         f"epochs of {epoch}; cosine lr over {total} steps",
         flush=True,
     )
-    clock = budget_callback(budget_s if stop_at_budget else math.inf, eval_steps, system.splits.curve, system.name)
+    replan = max(1, round(total * system.args.replan_at)) if system.args.replan_at > 0 else None
+    clock = budget_callback(
+        budget_s if stop_at_budget else math.inf, eval_steps, system.splits.curve, system.name, replan
+    )
     model = system.fit(total, [clock], total_steps=total)
     steps = clock.curve[-1][1]
     result = evaluate(model, system.splits.bank, system.splits.queries, system.args.probe_epochs, system.args.seed)
@@ -199,7 +237,7 @@ def run_system(
         train_s=clock.train_s,
         seconds_per_step=sps,
         images_per_s=batch / sps,
-        planned_steps=total,
+        planned_steps=clock.replanned[2] if clock.replanned else total,
         stopped_at_budget=clock.stopped_at_budget,
         workers=system.workers,
         curve=clock.curve,
@@ -292,6 +330,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-epochs", type=int, default=20)
     p.add_argument("--timing-warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--timing-steps", type=int, default=8, help="timed steps of a speed measurement")
+    p.add_argument(
+        "--replan-at", type=float, default=0.1, help="re-plan the steps once, after this fraction (0: never)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
 

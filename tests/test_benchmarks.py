@@ -57,6 +57,7 @@ def test_quality_compares_configs_and_the_reference(tmp_path):
         str(tmp_path / "q.png"),
     )
     assert "raw pixels (normalised)" in out and "fashion_mnist_moco_v2" in out and "reference" in out
+    assert out.count("re-plan at step") == 2  # both systems re-planned from their own speed
     assert (tmp_path / "q.png").is_file() and "final" in (tmp_path / "q.csv").read_text()
 
 
@@ -144,3 +145,32 @@ def test_recipe_search_selects_on_the_validation_split(tmp_path):
     assert "chosen: " in out and (tmp_path / "rs.png").is_file()
     rows = (tmp_path / "rs.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 + 2  # the header, 2 candidates in rung 1, 2 in rung 2
+
+
+def test_quality_replan_stretches_the_schedule_from_the_current_step():
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from moco_lightning.optim import lr_factor
+
+    from quality import rescale_schedule
+
+    class Trainer:  # what rescale_schedule reads of a Lightning Trainer
+        def __init__(self, sched):
+            self.lr_scheduler_configs = [type("Config", (), {"scheduler": sched})()]
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor("cosine", 0, 10, []))
+    for _ in range(5):
+        opt.step(), sched.step()
+    rescale_schedule(Trainer(sched), 5, 10, 20)  # at step 5 of 10 the run turns out to afford 20 steps
+    lrs = []
+    for _ in range(15):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step(), sched.step()
+    f = lr_factor("cosine", 0, 10, [])
+    assert abs(lrs[0] - 0.5) < 1e-9  # step 5: where the old plan was, no jump
+    assert abs(lrs[10] - f(5 + 10 * 5 / 15)) < 1e-9  # step 15: 2/3 of the remaining cosine
+    assert lrs[14] > 0 and all(a > b for a, b in zip(lrs, lrs[1:]))  # still decreasing, zero only at step 20
+    opt.step(), sched.step()
+    assert abs(opt.param_groups[0]["lr"]) < 1e-9
