@@ -80,15 +80,16 @@ def from_config(config: str | Path, *overrides: str):
     """(model, datamodule) of a config with CLI-style overrides (``"--model.width=0.25"``), built by the CLI itself."""
     from lightning.pytorch import LightningDataModule
 
-    from moco_lightning import MoCo
+    from moco_lightning import MoCo, Pretraining
     from moco_lightning.cli import MoCoCLI
     from moco_lightning.linear_eval import _own_hyperparameters
 
     args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
     with _own_hyperparameters():
         cli = MoCoCLI(
-            MoCo,
+            Pretraining,
             LightningDataModule,
+            default_model=MoCo,
             subclass_mode_model=True,
             subclass_mode_data=True,
             run=False,

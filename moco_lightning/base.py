@@ -56,6 +56,8 @@ class Pretraining(LightningModule):
     dictionary_buffers: tuple = ()
     #: settings that change the shape of the weights: a checkpoint must agree on them (subclasses add theirs)
     STRUCTURAL: tuple = ("backbone", "cifar_stem", "in_channels", "width")
+    #: state-dict prefixes that :meth:`finish_step` changes (momentum copies, dictionaries)
+    finished_state: tuple = ()
 
     def __init__(
         self,
@@ -173,6 +175,17 @@ class Pretraining(LightningModule):
 
     def on_train_end(self) -> None:
         self._raise_if_last_loss_was_not_finite()
+
+    # --- after the optimizer step: momentum updates, dictionaries ------------------------------
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.finish_step()
+
+    def finish_step(self) -> None:
+        """What follows a training step (a momentum update after a real optimizer step, an enqueue); nothing here."""
+
+    def step_pending(self) -> bool:
+        """A training step whose :meth:`finish_step` has not run yet (an optimizer step not yet followed up)."""
+        return self._trainer is not None and self.trainer.training and self.global_step != self._stepped
 
     # --- non-finite losses: decided by all ranks together, read one step late ------------------
     def loss_is_usable(self, loss: Tensor, batch_idx: int) -> bool:
@@ -304,6 +317,12 @@ class Pretraining(LightningModule):
                 f"{type(self).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
             )
         checkpoint["moco_lightning"] = ckpt.metadata()
+        # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
+        # finish this step first, so that a checkpoint at step N holds N momentum updates (and N steps' keys).
+        if self.finished_state and self.step_pending():
+            self.finish_step()
+            changed = {k: v for k, v in self.state_dict().items() if k.startswith(self.finished_state)}
+            checkpoint["state_dict"].update(changed)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         meta = checkpoint.get("moco_lightning")

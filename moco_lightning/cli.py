@@ -1,7 +1,10 @@
-"""The ``moco-lightning`` command: Lightning's CLI over :class:`MoCo` and any datamodule.
+"""The ``moco-lightning`` command: Lightning's CLI over the pretraining modules (:class:`MoCo` unless the config's
+``model: class_path:`` names another: ``moco_lightning.MoCoV3``, ``.SimCLR``, ``.BYOL``, ``.SwAV``...) and any
+datamodule.
 
     moco-lightning fit --config configs/quickstart.yaml
     moco-lightning fit --config configs/quickstart.yaml --ckpt_path last     # resume the newest run
+    moco-lightning fit --config configs/byol_fashion_mnist.yaml             # another method: its config's class_path
     moco-lightning fit --config configs/moco_v2.yaml --data.init_args.data_dir /data/imagenet
     python -m moco_lightning fit --print_config
     moco-lightning export --ckpt last.ckpt --out backbone.pt
@@ -30,12 +33,25 @@ from typing import Any, Optional
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
+from .base import Pretraining
 from .errors import ConfigError
 from .moco import MoCo
 
 
 class MoCoCLI(LightningCLI):
-    """LightningCLI with resumable ``--ckpt_path last``, checked resume settings and a final-metrics table."""
+    """LightningCLI with resumable ``--ckpt_path last``, checked resume settings and a final-metrics table.
+
+    ``default_model``: the class of a ``model:`` section without ``class_path`` (the configs of MoCo v1/v2 give
+    only its arguments)."""
+
+    def __init__(self, *args: Any, default_model: Optional[type] = None, **kwargs: Any) -> None:
+        self._default_model = default_model
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        if self._default_model is not None:
+            cls = self._default_model
+            parser.set_defaults({"model": {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)
@@ -182,18 +198,21 @@ def main(args: Optional[list[str]] = None) -> None:
         from .export import main as export_main
 
         return export_main(argv[1:])
-    run_cli(MoCo, args)
+    run_cli(Pretraining, args, default_model=MoCo)
 
 
-def run_cli(model_class: type, args: Optional[list[str]] = None) -> Optional[MoCoCLI]:
-    """Lightning's CLI over ``model_class`` or any subclass (``model: class_path: moco_lightning.MoCoV3``; without a
-    class_path, ``model_class`` itself) and any datamodule (``data: class_path: ...``)."""
+def run_cli(
+    model_class: type, args: Optional[list[str]] = None, default_model: Optional[type] = None
+) -> Optional[MoCoCLI]:
+    """Lightning's CLI over any subclass of ``model_class`` (``model: class_path: moco_lightning.MoCoV3``; without a
+    class_path, ``default_model``, else ``model_class`` itself) and any datamodule (``data: class_path: ...``)."""
     from moco_lightning.datamodules.image_folder import BadImageError
 
     try:
         return MoCoCLI(
             model_class,
             LightningDataModule,
+            default_model=default_model,
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
@@ -205,7 +224,7 @@ def run_cli(model_class: type, args: Optional[list[str]] = None) -> Optional[MoC
             cause = cause.__cause__ or cause.__context__
         if cause is None or os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
-        prog = "moco-lightning" if model_class is MoCo else f"python -m {model_class.__module__}"
+        prog = "moco-lightning" if default_model is MoCo else f"python -m {model_class.__module__}"
         sys.stderr.write(f"{prog}: error: {cause}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
         sys.exit(2)
 

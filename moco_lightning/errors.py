@@ -37,6 +37,8 @@ RANGES: dict[str, str] = {
     "sgd_momentum": "[0, 1)", "warmup_epochs": ">= 0", "lr_milestones": "ints >= 0", "queue_size": "int >= 0",
     "momentum": "[0, 1]", "temperature": "> 0", "dim": "int >= 1", "hidden_dim": "int >= 1", "bn_splits": "int >= 1",
     "num_negatives": "int >= 1", "bank_momentum": "[0, 1]", "memory_bank_size": "int >= 1",
+    "n_prototypes": "int >= 1", "sinkhorn_iterations": "int >= 1", "sinkhorn_epsilon": "> 0",
+    "freeze_prototypes_epochs": ">= 0",
 }  # fmt: skip
 
 

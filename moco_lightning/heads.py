@@ -6,10 +6,13 @@
   Linear-BN-ReLU, the last Linear followed by a BatchNorm1d without affine parameters unless ``last_bn=False``.
   ResNets: a **2-layer** projector and a 2-layer predictor **without** the last BN; ViTs: a **3-layer** projector
   and a 2-layer predictor **with** the last BN. Hidden 4096, output 256.
+
+SimCLR's, BYOL's and SwAV's heads are lightly's, except SwAV's prototypes (:class:`Prototypes`).
 """
 
 from __future__ import annotations
 
+import torch
 from lightly.models.modules.heads import MoCoProjectionHead, ProjectionHead
 from torch import Tensor, nn
 
@@ -52,3 +55,25 @@ def v3_heads(feature_dim: int, hidden_dim: int, dim: int, vit: bool) -> tuple[ML
 def is_vit(backbone: nn.Module) -> bool:
     """A vision transformer (torchvision's, this library's ``ViT`` or timm's): decides v3's head layout."""
     return any("VisionTransformer" in c.__name__ for m in backbone.modules() for c in type(m).__mro__)
+
+
+class Prototypes(nn.Module):
+    """SwAV's prototypes (Caron et al. 2020): a bias-free linear layer whose rows are unit vectors, renormalised by
+    :meth:`normalize` before each step, as the official code (``prototypes``, ``bias=False``).
+
+    Not lightly's ``SwaVPrototypes``: its ``nn.Linear`` has a bias (a per-prototype offset the paper does not have)
+    and it freezes the prototypes by toggling ``requires_grad``, which DistributedDataParallel does not follow after
+    it was built (parameters that require no gradient at DDP's construction are never all-reduced afterwards).
+    :class:`moco_lightning.SwAV` freezes them by dropping their gradient instead, as the official code."""
+
+    def __init__(self, dim: int, n_prototypes: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(dim, n_prototypes, bias=False)
+
+    @torch.no_grad()
+    def normalize(self) -> None:
+        self.layer.weight.copy_(nn.functional.normalize(self.layer.weight, dim=1))
+
+    def forward(self, z: Tensor) -> Tensor:
+        """Scores z·c_k of L2-normalised embeddings ``z`` against every prototype c_k."""
+        return self.layer(z)

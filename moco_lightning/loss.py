@@ -5,7 +5,8 @@
 computed as a cross-entropy over the logits ``[q·k₊, q·queue] / τ`` with label 0 (Algorithm 1).
 With no queue, the negatives are the other keys of the global batch: the keys of all DDP ranks, the positive of
 this rank's i-th query at column ``offset + i`` (MoCo v3, Chen, Xie, He 2021, Algorithm 1, and the paper's
-end-to-end mechanism).
+end-to-end mechanism). Also BYOL's normalised MSE (:func:`normalized_mse`); SimCLR's NT-Xent and SwAV's
+swapped prediction are lightly's ``NTXentLoss`` and ``SwaVLoss``.
 """
 
 from __future__ import annotations
@@ -54,3 +55,8 @@ def info_nce(
     with torch.autocast(sims.device.type, enabled=False):
         loss = F.cross_entropy(sims / temperature, labels)
     return loss * scale, sims, labels
+
+
+def normalized_mse(p: Tensor, z: Tensor) -> Tensor:
+    """BYOL's loss ‖p/‖p‖ − z/‖z‖‖² = 2 − 2·cos(p, z), averaged over the batch; ``z`` is the (detached) target."""
+    return (2 - 2 * F.cosine_similarity(p, z.detach(), dim=1)).mean()

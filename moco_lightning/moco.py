@@ -209,10 +209,14 @@ class MoCo(Pretraining):
         self.log_lr(**{"train/momentum": self.momentum_at(self.global_step)})
         return {key: out[key] for key in ("loss", "features", "q", "k")}
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._finish_step()
+    @property
+    def finished_state(self) -> tuple:
+        return ("key_", *self.dictionary_buffers)
 
-    def _finish_step(self) -> None:
+    def step_pending(self) -> bool:
+        return self._keys is not None or super().step_pending()
+
+    def finish_step(self) -> None:
         """Momentum update (only if an optimizer step happened), then store the step's keys of all ranks."""
         if self.optimizer_stepped() and self.key_backbone is not None:  # not after an accumulation micro-batch
             self.momentum_update(self.momentum_at(self.global_step - 1))
@@ -228,17 +232,6 @@ class MoCo(Pretraining):
         """m for the optimizer step with 0-based index ``step``."""
         hp = self.hparams
         return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
-        # finish this step first, so that a checkpoint at step N holds N momentum updates and N steps' keys.
-        super().on_save_checkpoint(checkpoint)
-        if self._keys is not None or (
-            self._trainer is not None and self.trainer.training and self.global_step != self._stepped
-        ):
-            self._finish_step()
-            stepped = ("key_", *self.dictionary_buffers)  # what finishing the step changed
-            checkpoint["state_dict"].update({k: v for k, v in self.state_dict().items() if k.startswith(stepped)})
 
     # --- validation: never stores keys, never moves the key encoder ---------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:

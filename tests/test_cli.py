@@ -81,8 +81,14 @@ def test_python_dash_m_entry_point_and_bad_argument(tmp_path):
             "--model.memory_bank_size=256",
             "--model.num_negatives=64",
         ],
+        [  # another method: its config's class_path (SwAV with multi-crop)
+            "--config",
+            str(ROOT / "configs" / "swav_fashion_mnist.yaml"),
+            "--data.init_args.local_views=2",
+            "--data.init_args.local_size=12",
+        ],
     ],
-    ids=["v3_vit_small", "batch", "memory_bank"],
+    ids=["v3_vit_small", "batch", "memory_bank", "swav_multicrop"],
 )
 def test_v3_and_each_dictionary_train_through_the_cli(override, tmp_path):
     exe = Path(sys.executable).with_name("moco-lightning")

@@ -329,7 +329,7 @@ def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
     assert out["sims"].shape == (4, 13)  # the stored positive + 12 sampled negatives
     torch.testing.assert_close(out["sims"][:, 0], (out["q"] * before[index]).sum(1))
     model._keys, model._index = out["keys"], index
-    model._finish_step()
+    model.finish_step()
     expected = before.clone()
     expected[index] = F.normalize(0.5 * before[index] + 0.5 * out["q"], dim=1)
     torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-7)
@@ -369,7 +369,7 @@ def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded
     out = model.contrast(x1, x2, index)
     q1, q2 = out["q"], model.query(x2)[1].detach()
     model._keys, model._index = out["keys"], index
-    model._finish_step()
+    model.finish_step()
     expected = before.clone()
     expected[index] = F.normalize(0.5 * before[index] + 0.5 * (q1 + q2) / 2, dim=1)
     torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-6)

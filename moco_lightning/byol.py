@@ -1,0 +1,97 @@
+"""BYOL (Grill et al., NeurIPS 2020, https://arxiv.org/abs/2006.07733): no negatives at all.
+
+An online network (backbone, projector, predictor; trained) predicts the target network's projection of the other
+view; the target (backbone, projector) is an exponential moving average of the online one, as MoCo's key encoder,
+with the momentum on a cosine from ``momentum`` (0.996) to 1. Loss: the normalised MSE ``2 − 2·cos(p, z')``,
+symmetrised over the two views. Heads: lightly's ``BYOLProjectionHead`` / ``BYOLPredictionHead`` (fc-BN-ReLU-fc,
+hidden 4096, output 256). The momentum update follows the optimizer step in ``on_train_batch_end``, as MoCo's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal, Optional
+
+import torch
+from lightly.models.modules.heads import BYOLPredictionHead, BYOLProjectionHead
+from torch import Tensor, nn
+
+from .base import Pretraining
+from .errors import check_arguments
+from .loss import normalized_mse
+from .optim import momentum_at, momentum_update
+
+
+class BYOL(Pretraining):
+    """BYOL. ``forward(x)`` returns the online backbone's features.
+
+    Args:
+        hidden_dim, dim: projector and predictor sizes (4096, 256).
+        momentum: τ_base of the target's θ_t ← τ·θ_t + (1 − τ)·θ_online.
+        momentum_schedule: ``"cosine"`` (the paper: τ from τ_base to 1 over training) or ``"constant"``.
+        **kwargs: the backbone, optimizer and schedule of :class:`~moco_lightning.base.Pretraining`.
+    """
+
+    STRUCTURAL = Pretraining.STRUCTURAL + ("hidden_dim", "dim")
+    finished_state = ("target_",)
+
+    def __init__(
+        self,
+        hidden_dim: int = 4096,
+        dim: int = 256,
+        momentum: float = 0.996,
+        momentum_schedule: Literal["constant", "cosine"] = "cosine",
+        **kwargs: Any,
+    ) -> None:
+        check_arguments(type(self).__name__, BYOL.__init__, locals())
+        super().__init__(**kwargs)
+        self.record_hyperparameters(locals())
+        self.projection_head = BYOLProjectionHead(self.feature_dim, hidden_dim, dim)
+        self.prediction_head = BYOLPredictionHead(dim, hidden_dim, dim)
+        # the target: a copy of the online backbone and projector, moved only by the momentum update
+        self.target_backbone, self.target_projection_head = (
+            copy.deepcopy(m).requires_grad_(False) for m in (self.backbone, self.projection_head)
+        )
+
+    def trained_modules(self) -> list[nn.Module]:
+        return [self.backbone, self.projection_head, self.prediction_head]
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            self.refuse_half_precision_weights("the target network")
+
+    def contrast(self, x0: Tensor, x1: Tensor) -> dict[str, Tensor]:
+        """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network."""
+        x = self._layout(torch.cat([x0, x1]))
+        h = self.backbone(x)
+        p0, p1 = self.prediction_head(self.projection_head(h)).float().chunk(2)
+        with torch.no_grad():
+            z0, z1 = self.target_projection_head(self.target_backbone(x)).float().chunk(2)
+        loss = normalized_mse(p0, z1) + normalized_mse(p1, z0)
+        return dict(loss=loss, features=h[: len(x0)].detach())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
+        out = self.contrast(*batch[0][:2])
+        if not self.loss_is_usable(out["loss"], batch_idx):
+            return None
+        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
+        self.log_lr(**{"train/momentum": self.momentum_at(self.global_step)})
+        return out
+
+    def finish_step(self) -> None:
+        """θ_t ← τ·θ_t + (1 − τ)·θ_online, only after a real optimizer step (not an accumulation micro-batch)."""
+        if self.optimizer_stepped():
+            momentum_update(
+                [self.target_backbone, self.target_projection_head],
+                [self.backbone, self.projection_head],
+                self.momentum_at(self.global_step - 1),
+            )
+
+    def momentum_at(self, step: int) -> float:
+        hp = self.hparams
+        return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch[0], (list, tuple)):
+            self.log("val/loss", self.contrast(*batch[0][:2])["loss"], prog_bar=True, sync_dist=True)

@@ -1,0 +1,62 @@
+"""SimCLR (Chen, Kornblith, Norouzi, Hinton, ICML 2020, https://arxiv.org/abs/2002.05709): the negatives are the
+rest of the batch.
+
+Both views of N images go through one encoder (concatenated: BatchNorm sees all 2N images, as the official code);
+NT-Xent (lightly's ``NTXentLoss``) contrasts each of the 2N embeddings with its other view (positive) and the other
+2N − 2 embeddings (negatives), gathered across ranks with gradients, so the dictionary is the global batch. It is
+MoCo's end-to-end mechanism (:class:`moco_lightning.EndToEnd`, Fig. 2a of the MoCo paper) with both views as
+queries *and* as negatives: 2N − 2 negatives instead of N − 1. Every negative costs the activations of an image
+in memory, which is why SimCLR needs large batches (4096 in the paper) and MoCo's queue does not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightly.loss import NTXentLoss
+from lightly.models.modules.heads import SimCLRProjectionHead
+from torch import Tensor, nn
+
+from .base import Pretraining
+from .errors import check_arguments
+
+
+class SimCLR(Pretraining):
+    """SimCLR. ``forward(x)`` returns backbone features.
+
+    Args:
+        hidden_dim, dim: the 2-layer projection head (lightly's ``SimCLRProjectionHead``: fc-BN-ReLU-fc).
+        temperature: τ of NT-Xent (the paper: 0.1 to 0.5, tuned per batch size; 0.5 for CIFAR-10).
+        **kwargs: the backbone, optimizer and schedule of :class:`~moco_lightning.base.Pretraining`.
+    """
+
+    STRUCTURAL = Pretraining.STRUCTURAL + ("hidden_dim", "dim")
+
+    def __init__(self, hidden_dim: int = 2048, dim: int = 128, temperature: float = 0.5, **kwargs: Any) -> None:
+        check_arguments(type(self).__name__, SimCLR.__init__, locals())
+        super().__init__(**kwargs)
+        self.record_hyperparameters(locals())
+        self.projection_head = SimCLRProjectionHead(self.feature_dim, hidden_dim, dim)
+        self.criterion = NTXentLoss(temperature=temperature, gather_distributed=True)
+
+    def trained_modules(self) -> list[nn.Module]:
+        return [self.backbone, self.projection_head]
+
+    def contrast(self, x0: Tensor, x1: Tensor) -> dict[str, Tensor]:
+        """NT-Xent over both views (fp32 logits); the features of the first view for the callbacks."""
+        h = self.backbone(self._layout(torch.cat([x0, x1])))
+        z0, z1 = self.projection_head(h).float().chunk(2)
+        return dict(loss=self.criterion(z0, z1), features=h[: len(x0)].detach())
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
+        out = self.contrast(*batch[0][:2])
+        if not self.loss_is_usable(out["loss"], batch_idx):
+            return None
+        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
+        self.log_lr()
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch[0], (list, tuple)):  # not an evaluation batch (image, target)
+            self.log("val/loss", self.contrast(*batch[0][:2])["loss"], prog_bar=True, sync_dist=True)

@@ -1,0 +1,73 @@
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from moco_lightning import SimCLR
+
+from conftest import cpu_trainer, tiny_data
+from method_toys import tiny
+from test_distributed import free_port
+
+
+def nt_xent(z0, z1, t):
+    """By hand: each of the 2N embeddings against its other view (positive) and the 2N - 2 others (negatives)."""
+    z = F.normalize(torch.cat([z0, z1]), dim=1)
+    n = len(z0)
+    sims = z @ z.T / t
+    sims.fill_diagonal_(float("-inf"))  # not its own negative
+    labels = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return F.cross_entropy(sims, labels)
+
+
+def test_loss_is_nt_xent_over_both_views_with_2n_minus_2_negatives(seeded):
+    model = tiny(SimCLR, temperature=0.3)
+    x0, x1 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
+    out = model.contrast(x0, x1)
+    z0, z1 = model.projection_head(model.backbone(torch.cat([x0, x1]))).chunk(2)  # BN over the same 2N images
+    torch.testing.assert_close(out["loss"], nt_xent(z0, z1, 0.3))
+    torch.testing.assert_close(model.criterion(z0, z1), nt_xent(z0, z1, 0.3))  # lightly's NT-Xent, the same
+    assert out["features"].shape == (6, 16) and model(x0).shape == (6, 16)
+
+
+def test_trains_and_its_weights_move(seeded):
+    model = tiny(SimCLR)
+    before = [p.clone() for p in model.backbone.parameters()]
+    trainer = cpu_trainer(max_steps=3)
+    trainer.fit(model, tiny_data())
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.backbone.parameters()))
+
+
+def test_bad_temperature_names_the_field():
+    with pytest.raises(ValueError, match="SimCLR: temperature=0"):
+        tiny(SimCLR, temperature=0)
+
+
+def _gather_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = tiny(SimCLR, temperature=0.5)
+        g = torch.Generator().manual_seed(0)
+        z0, z1 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)  # the global batch
+        mine = slice(3 * rank, 3 * rank + 3)
+        a, b = z0[mine].clone().requires_grad_(), z1[mine].clone().requires_grad_()
+        loss = model.criterion(a, b)
+        loss.backward()
+        torch.save({"loss": loss.detach(), "grad": a.grad}, os.path.join(out_dir, f"simclr_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_negatives_are_the_global_batch(tmp_path):
+    """Two ranks of 3 images: each rank's loss uses all 2 x 6 - 2 = 10 negatives, and the mean over ranks is the
+    loss of one process with the whole batch of 6; gradients flow through the gathered embeddings."""
+    mp.spawn(_gather_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r = [torch.load(tmp_path / f"simclr_{i}.pt") for i in (0, 1)]
+    g = torch.Generator().manual_seed(0)
+    z0, z1 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    torch.testing.assert_close((r[0]["loss"] + r[1]["loss"]) / 2, nt_xent(z0, z1, 0.5))
+    assert all(x["grad"].abs().sum() > 0 for x in r)

@@ -1,0 +1,144 @@
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from lightly.loss.swav_loss import sinkhorn
+from lightning.pytorch import Callback
+
+from moco_lightning import SwAV
+
+from conftest import cpu_trainer, tiny_data
+from method_toys import tiny
+from test_distributed import free_port
+
+
+def codes_by_hand(scores, iterations, eps):
+    """Sinkhorn-Knopp (SwAV, Algorithm 1 of the official code): alternately give every prototype 1/K and every
+    sample 1/B of the mass; each sample's code then sums to 1."""
+    q = torch.exp(scores / eps).T  # K x B
+    q /= q.sum()
+    k, b = q.shape
+    for _ in range(iterations):
+        q /= q.sum(dim=1, keepdim=True) * k
+        q /= q.sum(dim=0, keepdim=True) * b
+    return (q * b).T
+
+
+def test_codes_sum_to_the_sinkhorn_marginals(seeded):
+    model = tiny(SwAV, n_prototypes=10)
+    scores = F.normalize(torch.randn(40, 8), dim=1) @ F.normalize(torch.randn(10, 8), dim=1).T
+    codes = sinkhorn(scores, model.hparams.sinkhorn_iterations, model.hparams.sinkhorn_epsilon)
+    torch.testing.assert_close(codes, codes_by_hand(scores, 3, 0.05))
+    torch.testing.assert_close(codes.sum(1), torch.ones(40))  # every sample: one unit of assignment
+    converged = sinkhorn(scores, 200, 0.05)
+    torch.testing.assert_close(converged.sum(0), torch.full((10,), 40 / 10), atol=1e-3, rtol=0)  # equal partition
+    assert (codes.sum(0) - 4).abs().max() < (torch.softmax(scores / 0.05, 1).sum(0) - 4).abs().max()
+
+
+def test_loss_is_the_swapped_prediction_over_global_and_local_views(seeded):
+    model = tiny(SwAV, n_prototypes=10, temperature=0.1)
+    g1, g2 = torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28)
+    l1, l2 = torch.randn(4, 1, 12, 12), torch.randn(4, 1, 12, 12)
+    out = model.contrast([g1, g2], [l1, l2])
+    c = F.normalize(model.prototypes.layer.weight, dim=1)  # contrast() normalised them in place
+
+    def scores(views):
+        z = F.normalize(model.projection_head(model.backbone(torch.cat(views))), dim=1)
+        return list((z @ c.T).chunk(len(views)))
+
+    high, low = scores([g1, g2]), scores([l1, l2])
+
+    def ce(s, q):
+        return -(q * F.log_softmax(s / 0.1, dim=1)).sum(1).mean()
+
+    terms = []
+    for i in range(2):  # the codes of global view i, predicted by every other view
+        q = codes_by_hand(high[i].detach(), 3, 0.05)
+        others = [high[1 - i], *low]
+        terms.append(sum(ce(s, q) for s in others) / len(others))
+    torch.testing.assert_close(out["loss"], sum(terms) / 2)
+    assert model.prototypes.layer.bias is None
+    torch.testing.assert_close(model.prototypes.layer.weight.norm(dim=1), torch.ones(10))
+
+
+class PrototypeWeights(Callback):
+    def __init__(self):
+        self.after_step = []
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        self.after_step.append(model.prototypes.layer.weight.detach().clone())
+
+
+def test_prototypes_are_frozen_for_the_first_epoch_then_learn(seeded):
+    model = tiny(SwAV, freeze_prototypes_epochs=0.5)  # 4 batches per epoch: the first 2 steps
+    record = PrototypeWeights()
+    cpu_trainer(max_steps=4, callbacks=[record]).fit(model, tiny_data())
+    w = record.after_step
+    torch.testing.assert_close(w[0], w[1], rtol=0, atol=1e-6)  # steps 0 and 1: renormalised (to 1 ulp), not updated
+    assert (w[1] - w[2]).abs().max() > 1e-4 and (w[2] - w[3]).abs().max() > 1e-4  # then they learn
+    assert any(not torch.equal(a, b) for a, b in zip(model.backbone.parameters(), tiny(SwAV).backbone.parameters()))
+
+
+def test_multi_crop_batches_train(seeded):
+    model = tiny(SwAV)
+    trainer = cpu_trainer(max_steps=2)
+    trainer.fit(model, tiny_data(local_views=2, local_size=12))
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+def test_bad_prototypes_name_the_field():
+    with pytest.raises(ValueError, match="SwAV: n_prototypes=0"):
+        tiny(SwAV, n_prototypes=0)
+
+
+def _sinkhorn_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = tiny(SwAV, n_prototypes=10)
+        scores = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)).tanh()  # the global batch
+        crit = model.criterion
+        codes = sinkhorn(
+            scores[4 * rank : 4 * rank + 4], crit.sinkhorn_iterations, crit.sinkhorn_epsilon,
+            gather_distributed=crit.sinkhorn_gather_distributed,
+        )  # fmt: skip
+        torch.save(codes, os.path.join(out_dir, f"codes_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
+    """Each rank's codes of its 4 images equal its rows of one process's codes of all 8: the equal partition over
+    the prototypes is of the global batch."""
+    mp.spawn(_sinkhorn_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    scores = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)).tanh()
+    together = torch.cat([torch.load(tmp_path / f"codes_{i}.pt") for i in (0, 1)])
+    torch.testing.assert_close(together, codes_by_hand(scores, 3, 0.05))
+    assert not torch.allclose(together[:4], codes_by_hand(scores[:4], 3, 0.05))  # not one rank's alone
+
+
+def _freeze_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        toggled, ours = (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)) for _ in range(2))
+        toggled[1].requires_grad_(False)  # lightly's SwaVPrototypes while frozen, when DDP is built
+        ddp_toggled, ddp_ours = (torch.nn.parallel.DistributedDataParallel(m) for m in (toggled, ours))
+        toggled[1].requires_grad_(True)  # ... and after its frozen steps
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
+        (ddp_toggled(x).sum() + ddp_ours(x).sum()).backward()
+        grads = {"toggled": toggled[1].weight.grad, "ours": ours[1].weight.grad}
+        torch.save(grads, os.path.join(out_dir, f"g{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ignores_a_requires_grad_toggle_which_is_why_prototypes_freeze_by_dropping_gradients(tmp_path):
+    """A parameter that required no gradient when DDP was built is never all-reduced after it is unfrozen: the
+    ranks' prototypes would drift apart. SwAV keeps them trainable and drops their gradient while frozen."""
+    mp.spawn(_freeze_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    g = [torch.load(tmp_path / f"g{i}.pt") for i in (0, 1)]
+    torch.testing.assert_close(g[0]["ours"], g[1]["ours"])  # all-reduced: equal on both ranks
+    assert not torch.allclose(g[0]["toggled"], g[1]["toggled"])  # each rank's own gradient
