@@ -12,7 +12,8 @@ from lightning.pytorch import Callback, Trainer
 from torch import nn
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# one thread per pytest-xdist worker (scripts/test.sh runs two on two cores), else two
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
 

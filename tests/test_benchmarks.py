@@ -179,7 +179,7 @@ def test_quality_replan_stretches_the_schedule_from_the_current_step():
 def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
     out = run(
         "methods.py",
-        *("--minutes", "0.02", "--methods", "MoCo", "BYOL", "--negatives", "128", "256"),
+        *("--minutes", "0.02", "--methods", "MoCo", "BYOL", "--negatives", "64", "128"),
         *("--eval-subset", "400", "--probe-epochs", "1", "--curve-points", "1"),
         *("--curve-bank", "200", "--curve-queries", "100", "--timing-warmup", "1", "--timing-steps", "1"),
         *("--threads", "1", "--out", str(tmp_path / "m.png")),
@@ -187,6 +187,6 @@ def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
     memory = (tmp_path / "m_memory.csv").read_text().splitlines()
     assert memory[0].startswith("method,batch,negatives") and len(memory) == 1 + 2 * 2
     simclr = [line.split(",") for line in memory[1:] if line.startswith("SimCLR")]
-    assert [int(r[2]) for r in simclr] == [128, 256] and all(float(r[5]) > 0 for r in simclr)  # 2N - 2 negatives
+    assert [int(r[2]) for r in simclr] == [64, 128] and all(float(r[5]) > 0 for r in simclr)  # 2N - 2 negatives
     assert (tmp_path / "m_memory.png").is_file() and (tmp_path / "m.png").is_file()
     assert "BYOL's hardware need is medium" in out and "accuracy is roughly the same" in out
