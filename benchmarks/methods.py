@@ -92,21 +92,22 @@ def measure(config: str, overrides: list[str], batch: int, device: str) -> None:
     """Two training steps of the config's model on random images of its size; prints the second's peak (JSON)."""
     import torch
 
+    from moco_lightning import MoCo
+
     quiet()
     torch.manual_seed(0)
     model, dm = from_config(config_path(config), *overrides)
+    if getattr(getattr(dm, "view_settings", None), "local_views", 0):
+        raise SystemExit(f"{config}: local views are not measured here (two views only)")
     model.to(device).train()
     if model.hparams.channels_last:
         model.to(memory_format=torch.channels_last)
     size, channels = model.hparams.image_size, model.hparams.in_channels
-    local = getattr(dm, "local_views", 0) or 0
     views = [torch.randn(batch, channels, size, size, device=device) for _ in range(2)]
     opt = torch.optim.SGD([p for m in model.trained_modules() for p in m.parameters()], lr=0.01, momentum=0.9)
-    if local:
-        raise SystemExit("local views are not measured here")
 
     def step() -> None:
-        out = model.contrast(views) if type(model).__name__ == "SwAV" else model.contrast(*views)
+        out = model.contrast(*views) if isinstance(model, MoCo) else model.views_loss(views)
         out["loss"].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

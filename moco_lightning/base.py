@@ -187,6 +187,37 @@ class Pretraining(LightningModule):
         """A training step whose :meth:`finish_step` has not run yet (an optimizer step not yet followed up)."""
         return self._trainer is not None and self.trainer.training and self.global_step != self._stepped
 
+    # --- one step of a method that is its loss (SimCLR, BYOL, SwAV; MoCo writes its own) -------------
+    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
+        """The method's ``loss`` of one batch of views ``[view_1, view_2, *local_views]`` and the first view's
+        backbone ``features`` (for the callbacks)."""
+        raise NotImplementedError(f"{type(self).__name__} writes its own training_step")
+
+    def step_scalars(self) -> dict[str, float]:
+        """What a step logs beside the loss and the lr (BYOL: its momentum)."""
+        return {}
+
+    def two_views(self, views: Sequence[Tensor]) -> Sequence[Tensor]:
+        """The two global views, refusing local views that a two-view method would otherwise leave unused."""
+        if len(views) > 2:
+            raise ConfigError(
+                f"{type(self).__name__} uses two views, but the batch has {len(views)}: set the datamodule's "
+                "local_views to 0 (multi-crop is for MoCo and SwAV)"
+            )
+        return views
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
+        out = self.views_loss(batch[0])
+        if not self.loss_is_usable(out["loss"], batch_idx):
+            return None
+        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
+        self.log_lr(**self.step_scalars())
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch[0], (list, tuple)):  # not an evaluation batch (image, target)
+            self.log("val/loss", self.views_loss(batch[0][:2])["loss"], prog_bar=True, sync_dist=True)
+
     # --- non-finite losses: decided by all ranks together, read one step late ------------------
     def loss_is_usable(self, loss: Tensor, batch_idx: int) -> bool:
         """False: skip this batch (``on_nan="skip"``, one process). Otherwise the check is collective and deferred:
@@ -283,7 +314,7 @@ class Pretraining(LightningModule):
         optimizer = optim.build_optimizer(
             hp.optimizer, self.trained_modules(), lr, hp.weight_decay, hp.sgd_momentum, hp.decay_norm_bias
         )
-        steps_per_epoch = max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
+        steps_per_epoch = self.steps_per_epoch()
         factor = optim.lr_factor(
             hp.lr_schedule,
             round(hp.warmup_epochs * steps_per_epoch),
@@ -292,6 +323,10 @@ class Pretraining(LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch (training batches over gradient accumulation), at least 1."""
+        return max(1, math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches))
 
     def global_batch_size(self) -> int:
         """Per-device batch × devices × accumulation, from the training loader (loaded here when not yet)."""

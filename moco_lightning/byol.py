@@ -10,7 +10,7 @@ hidden 4096, output 256). The momentum update follows the optimizer step in ``on
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Sequence
 
 import torch
 from lightly.models.modules.heads import BYOLPredictionHead, BYOLProjectionHead
@@ -61,8 +61,9 @@ class BYOL(Pretraining):
         if stage == "fit":
             self.refuse_half_precision_weights("the target network")
 
-    def contrast(self, x0: Tensor, x1: Tensor) -> dict[str, Tensor]:
+    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
         """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network."""
+        x0, x1 = self.two_views(views)
         x = self._layout(torch.cat([x0, x1]))
         h = self.backbone(x)
         p0, p1 = self.prediction_head(self.projection_head(h)).float().chunk(2)
@@ -71,13 +72,8 @@ class BYOL(Pretraining):
         loss = normalized_mse(p0, z1) + normalized_mse(p1, z0)
         return dict(loss=loss, features=h[: len(x0)].detach())
 
-    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        out = self.contrast(*batch[0][:2])
-        if not self.loss_is_usable(out["loss"], batch_idx):
-            return None
-        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
-        self.log_lr(**{"train/momentum": self.momentum_at(self.global_step)})
-        return out
+    def step_scalars(self) -> dict[str, float]:
+        return {"train/momentum": self.momentum_at(self.global_step)}
 
     def finish_step(self) -> None:
         """θ_t ← τ·θ_t + (1 − τ)·θ_online, only after a real optimizer step (not an accumulation micro-batch)."""
@@ -91,7 +87,3 @@ class BYOL(Pretraining):
     def momentum_at(self, step: int) -> float:
         hp = self.hparams
         return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if isinstance(batch[0], (list, tuple)):
-            self.log("val/loss", self.contrast(*batch[0][:2])["loss"], prog_bar=True, sync_dist=True)

@@ -11,7 +11,7 @@ in memory, which is why SimCLR needs large batches (4096 in the paper) and MoCo'
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Sequence
 
 import torch
 from lightly.loss import NTXentLoss
@@ -43,20 +43,9 @@ class SimCLR(Pretraining):
     def trained_modules(self) -> list[nn.Module]:
         return [self.backbone, self.projection_head]
 
-    def contrast(self, x0: Tensor, x1: Tensor) -> dict[str, Tensor]:
+    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
         """NT-Xent over both views (fp32 logits); the features of the first view for the callbacks."""
+        x0, x1 = self.two_views(views)
         h = self.backbone(self._layout(torch.cat([x0, x1])))
         z0, z1 = self.projection_head(h).float().chunk(2)
         return dict(loss=self.criterion(z0, z1), features=h[: len(x0)].detach())
-
-    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        out = self.contrast(*batch[0][:2])
-        if not self.loss_is_usable(out["loss"], batch_idx):
-            return None
-        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
-        self.log_lr()
-        return out
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if isinstance(batch[0], (list, tuple)):  # not an evaluation batch (image, target)
-            self.log("val/loss", self.contrast(*batch[0][:2])["loss"], prog_bar=True, sync_dist=True)

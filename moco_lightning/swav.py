@@ -13,8 +13,7 @@ embeddings (the paper adds it from epoch ~15 for batches below 256).
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Any, Sequence
 
 import torch
 from lightly.loss import SwaVLoss
@@ -74,32 +73,19 @@ class SwAV(Pretraining):
         z = nn.functional.normalize(self.projection_head(h).float(), dim=1)
         return list(self.prototypes(z).chunk(len(views))), h[: len(views[0])].detach()
 
-    def contrast(self, global_views: list[Tensor], local_views: list[Tensor] = ()) -> dict[str, Tensor]:
+    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Swapped prediction: the codes of each global view predicted by every other view (global and local)."""
         self.prototypes.normalize()
-        high, features = self.scores(list(global_views))
-        low = self.scores(list(local_views))[0] if local_views else []
+        high, features = self.scores(list(views[:2]))
+        low = self.scores(list(views[2:]))[0] if len(views) > 2 else []
         with torch.autocast(high[0].device.type, enabled=False):  # exp(score / ε) in fp32
             loss = self.criterion(high, low)
         return dict(loss=loss.squeeze(), features=features)
 
-    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        views = batch[0]
-        out = self.contrast(views[:2], views[2:])
-        if not self.loss_is_usable(out["loss"], batch_idx):
-            return None
-        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
-        self.log_lr()
-        return out
-
     def on_train_start(self) -> None:
         super().on_train_start()
-        steps_per_epoch = math.ceil(self.trainer.num_training_batches / self.trainer.accumulate_grad_batches)
-        self._frozen_steps = round(self.hparams.freeze_prototypes_epochs * steps_per_epoch)
+        self._frozen_steps = round(self.hparams.freeze_prototypes_epochs * self.steps_per_epoch())
 
     def on_after_backward(self) -> None:
         if self.global_step < self._frozen_steps:  # after DDP's all-reduce: every rank drops the same gradient
             self.prototypes.layer.weight.grad = None
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if isinstance(batch[0], (list, tuple)):
-            self.log("val/loss", self.contrast(batch[0][:2])["loss"], prog_bar=True, sync_dist=True)

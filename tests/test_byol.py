@@ -20,7 +20,7 @@ def test_normalized_mse_is_the_squared_distance_of_unit_vectors(seeded):
 def test_loss_is_symmetrised_online_prediction_of_the_other_views_target(seeded):
     model = tiny(BYOL)
     x0, x1 = torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28)
-    out = model.contrast(x0, x1)
+    out = model.views_loss([x0, x1])
     x = torch.cat([x0, x1])
     p0, p1 = model.prediction_head(model.projection_head(model.backbone(x))).chunk(2)
     z0, z1 = model.target_projection_head(model.target_backbone(x)).chunk(2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -22,6 +23,16 @@ from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
 from conftest import cpu_trainer, tiny_moco
 
 B, STEPS = 4, 3  # per-rank batch, optimizer steps
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, world_size: int = 2):
+    """This spawned process as ``rank`` of a gloo group on localhost, destroyed on the way out."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def free_port() -> int:
@@ -123,8 +134,7 @@ def test_ddp_queue_identical_on_ranks_and_equal_to_one_process(tmp_path):
 
 
 def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         results = {}
         # uneven batches: rank 0 holds 5 rows, rank 1 holds 3
         n = 5 if rank == 0 else 3
@@ -145,8 +155,6 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
         results["roundtrip"] = unshuffle_across_ranks(f(shuffled), state)
         results["direct"] = f(x)
         torch.save(results, os.path.join(out_dir, f"collectives{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_uneven_batches_gather_enqueue_and_shuffle_bn_inverse(tmp_path):
@@ -260,8 +268,7 @@ def test_ddp_shuffle_on_one_process_is_a_clear_error(seeded):
 def _v3_loss_worker(rank: int, port: int, out_dir: str) -> None:
     from moco_lightning.loss import info_nce
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         g = torch.Generator().manual_seed(rank)
         q = torch.nn.functional.normalize(torch.randn(3, 4, generator=g), dim=1)
         k = torch.nn.functional.normalize(torch.randn(3, 4, generator=g), dim=1).requires_grad_()
@@ -271,8 +278,6 @@ def _v3_loss_worker(rank: int, port: int, out_dir: str) -> None:
             {"q": q, "k": k.detach(), "loss": loss.detach(), "labels": labels, "k_grad": k.grad},
             os.path.join(out_dir, f"v3_{rank}.pt"),
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def test_v3_loss_uses_the_global_batch_with_labels_offset_by_rank(tmp_path):

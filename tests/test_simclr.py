@@ -2,7 +2,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -10,7 +9,7 @@ from moco_lightning import SimCLR
 
 from conftest import cpu_trainer, tiny_data
 from method_toys import tiny
-from test_distributed import free_port
+from test_distributed import free_port, gloo_rank
 
 
 def nt_xent(z0, z1, t):
@@ -26,7 +25,7 @@ def nt_xent(z0, z1, t):
 def test_loss_is_nt_xent_over_both_views_with_2n_minus_2_negatives(seeded):
     model = tiny(SimCLR, temperature=0.3)
     x0, x1 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
-    out = model.contrast(x0, x1)
+    out = model.views_loss([x0, x1])
     z0, z1 = model.projection_head(model.backbone(torch.cat([x0, x1]))).chunk(2)  # BN over the same 2N images
     torch.testing.assert_close(out["loss"], nt_xent(z0, z1, 0.3))
     torch.testing.assert_close(model.criterion(z0, z1), nt_xent(z0, z1, 0.3))  # lightly's NT-Xent, the same
@@ -48,8 +47,7 @@ def test_bad_temperature_names_the_field():
 
 
 def _gather_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         model = tiny(SimCLR, temperature=0.5)
         g = torch.Generator().manual_seed(0)
         z0, z1 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)  # the global batch
@@ -58,8 +56,6 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         loss = model.criterion(a, b)
         loss.backward()
         torch.save({"loss": loss.detach(), "grad": a.grad}, os.path.join(out_dir, f"simclr_{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_negatives_are_the_global_batch(tmp_path):
@@ -71,3 +67,11 @@ def test_ddp_negatives_are_the_global_batch(tmp_path):
     z0, z1 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
     torch.testing.assert_close((r[0]["loss"] + r[1]["loss"]) / 2, nt_xent(z0, z1, 0.5))
     assert all(x["grad"].abs().sum() > 0 for x in r)
+
+
+def test_local_views_are_refused_not_silently_dropped(seeded):
+    views = [torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28), torch.randn(4, 1, 12, 12)]
+    with pytest.raises(
+        ValueError, match="SimCLR uses two views, but the batch has 3: set the datamodule's local_views"
+    ):
+        tiny(SimCLR).views_loss(views)

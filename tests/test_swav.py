@@ -2,7 +2,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from lightly.loss.swav_loss import sinkhorn
@@ -12,7 +11,7 @@ from moco_lightning import SwAV
 
 from conftest import cpu_trainer, tiny_data
 from method_toys import tiny
-from test_distributed import free_port
+from test_distributed import free_port, gloo_rank
 
 
 def codes_by_hand(scores, iterations, eps):
@@ -42,8 +41,8 @@ def test_loss_is_the_swapped_prediction_over_global_and_local_views(seeded):
     model = tiny(SwAV, n_prototypes=10, temperature=0.1)
     g1, g2 = torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28)
     l1, l2 = torch.randn(4, 1, 12, 12), torch.randn(4, 1, 12, 12)
-    out = model.contrast([g1, g2], [l1, l2])
-    c = F.normalize(model.prototypes.layer.weight, dim=1)  # contrast() normalised them in place
+    out = model.views_loss([g1, g2, l1, l2])
+    c = F.normalize(model.prototypes.layer.weight, dim=1)  # views_loss() normalised them in place
 
     def scores(views):
         z = F.normalize(model.projection_head(model.backbone(torch.cat(views))), dim=1)
@@ -95,8 +94,7 @@ def test_bad_prototypes_name_the_field():
 
 
 def _sinkhorn_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         model = tiny(SwAV, n_prototypes=10)
         scores = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)).tanh()  # the global batch
         crit = model.criterion
@@ -105,8 +103,6 @@ def _sinkhorn_worker(rank: int, port: int, out_dir: str) -> None:
             gather_distributed=crit.sinkhorn_gather_distributed,
         )  # fmt: skip
         torch.save(codes, os.path.join(out_dir, f"codes_{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
@@ -120,8 +116,7 @@ def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
 
 
 def _freeze_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, port):
         torch.manual_seed(0)
         toggled, ours = (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)) for _ in range(2))
         toggled[1].requires_grad_(False)  # lightly's SwaVPrototypes while frozen, when DDP is built
@@ -131,8 +126,6 @@ def _freeze_worker(rank: int, port: int, out_dir: str) -> None:
         (ddp_toggled(x).sum() + ddp_ours(x).sum()).backward()
         grads = {"toggled": toggled[1].weight.grad, "ours": ours[1].weight.grad}
         torch.save(grads, os.path.join(out_dir, f"g{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_ignores_a_requires_grad_toggle_which_is_why_prototypes_freeze_by_dropping_gradients(tmp_path):
