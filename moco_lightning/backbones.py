@@ -12,6 +12,7 @@ from typing import Tuple, Union
 import torch
 import torchvision
 from torch import nn
+from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from .errors import ConfigError
 
@@ -80,6 +81,20 @@ def build_backbone(
             f"backbone={backbone!r}: no classifier attribute among {_HEADS} to remove; pass an nn.Module instead"
         )
     return model, dim if dim is not None else _probe_dim(model, in_channels, image_size)
+
+
+def zero_init_residuals(model: nn.Module) -> int:
+    """Zeroes the last BatchNorm weight of every torchvision residual block (``bn2`` of a BasicBlock, ``bn3`` of a
+    Bottleneck), as torchvision's ``zero_init_residual=True`` (Goyal et al. 2017): each block starts as the identity.
+    Returns the number of blocks changed."""
+    blocks = 0
+    for module in model.modules():
+        last = {BasicBlock: "bn2", Bottleneck: "bn3"}.get(type(module))
+        bn = getattr(module, last, None) if last else None
+        if isinstance(bn, nn.BatchNorm2d) and bn.weight is not None:
+            nn.init.zeros_(bn.weight)
+            blocks += 1
+    return blocks
 
 
 def _cifar_stem(model: nn.Module, in_channels: int, name: str) -> None:

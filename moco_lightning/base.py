@@ -38,9 +38,11 @@ class Pretraining(LightningModule):
         channels_last: keep the encoders and their inputs in channels-last memory format (faster convolutions on
             CPUs and tensor cores; measured +50 % for a narrow ResNet-18 on 2 CPU cores).
         lr: learning rate per 256 images; the optimizer uses lr × global batch / 256.
-        optimizer: ``"sgd"``, ``"lars"`` (MoCo v3 ResNets; no adaptation or decay of norms and biases) or ``"adamw"``.
+        optimizer: ``"sgd"``, ``"lars"`` (MoCo v3's rule: parameters with ndim <= 1, i.e. norms and biases, get no
+            adaptation and no weight decay, whatever ``decay_norm_bias`` says) or ``"adamw"``.
         weight_decay, sgd_momentum: optimizer settings (``sgd_momentum`` for SGD and LARS).
-        decay_norm_bias: also decay norm and bias parameters (the official MoCo code does; default off).
+        decay_norm_bias: SGD and AdamW: also decay norm and bias parameters (off here; ``MoCo`` turns it on, as the
+            official v1/v2/v3 code decays every parameter).
         lr_schedule: ``"cosine"`` (v2), ``"step"`` (v1: ×0.1 at each of ``lr_milestones`` epochs) or ``"constant"``.
         warmup_epochs: linear warm-up length (may be fractional).
         on_nan: a non-finite loss ``"raise"``s (every rank stops before a checkpoint holds bad weights) or

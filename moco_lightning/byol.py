@@ -73,7 +73,7 @@ class BYOL(Pretraining):
         return dict(loss=loss, features=h[: len(x0)].detach())
 
     def step_scalars(self) -> dict[str, float]:
-        return {"train/momentum": self.momentum_at(self.global_step)}
+        return {"train/momentum": self.momentum_at(self.global_step + 1)}  # m of this step's update
 
     def finish_step(self) -> None:
         """θ_t ← τ·θ_t + (1 − τ)·θ_online, only after a real optimizer step (not an accumulation micro-batch)."""
@@ -81,9 +81,10 @@ class BYOL(Pretraining):
             momentum_update(
                 [self.target_backbone, self.target_projection_head],
                 [self.backbone, self.projection_head],
-                self.momentum_at(self.global_step - 1),
+                self.momentum_at(self.global_step),  # m(j) after the j-th step (optim.momentum_at)
             )
 
     def momentum_at(self, step: int) -> float:
+        """τ(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
         hp = self.hparams
         return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)

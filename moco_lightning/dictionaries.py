@@ -36,8 +36,12 @@ class EndToEnd(MoCo):
     def positives_and_negatives(self, x_k: Tensor, index: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
         return self.query(x_k)[1], None
 
-    def second_query(self, x_q: Tensor, x_k: Tensor, q: Tensor, k: Tensor, index: Optional[Tensor]) -> tuple:
-        return k, q, None  # the second view's query is its key: nothing to recompute
+    def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
+        h, q = self.query(x_q)
+        k = self.query(x_k)[1]  # the second view's query is its key: nothing to recompute for the symmetric loss
+        if not self.hparams.symmetric:
+            return h, [(q, k, None)], [q], [k]
+        return h, [(q, k, None), (k, q, None)], [q, k], [q, k]
 
 
 class MemoryBankMoCo(MoCo):

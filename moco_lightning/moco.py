@@ -52,6 +52,8 @@ class MoCo(Pretraining):
             as the official CIFAR demo) and shuffles the key batch, ``"off"``; ``"auto"``: ``"ddp"`` with several
             processes, ``"split"`` on one, ``"off"`` without BatchNorm.
         bn_splits: sub-batches for ``"split"``; the per-device batch must be a multiple of it.
+        decay_norm_bias: weight decay on every parameter, norms and biases included, as the official v1/v2 code
+            (``False``: norms and biases decay-free, as SimCLR/BYOL).
         **kwargs: the backbone, optimizer and schedule of :class:`~moco_lightning.base.Pretraining`.
     """
 
@@ -72,10 +74,11 @@ class MoCo(Pretraining):
         symmetric: bool = False,
         shuffle_bn: Literal["auto", "ddp", "split", "off"] = "auto",
         bn_splits: int = 8,
+        decay_norm_bias: bool = True,
         **kwargs: Any,
     ) -> None:
         check_arguments(type(self).__name__, MoCo.__init__, locals())
-        super().__init__(**kwargs)
+        super().__init__(decay_norm_bias=decay_norm_bias, **kwargs)
         self.record_hyperparameters(locals())
         # f_q: the query encoder (self.backbone) and its heads, trained by backprop
         self.projection_head, self.prediction_head = self.build_heads()
@@ -131,9 +134,18 @@ class MoCo(Pretraining):
         """The positive keys of the batch and the negatives (None: the other keys of the global batch)."""
         return self.key(x_k), (self.queue.keys if self.queue.size > 0 else None)
 
-    def second_query(self, x_q: Tensor, x_k: Tensor, q: Tensor, k: Tensor, index: Optional[Tensor]) -> tuple:
-        """(q2, k2, negatives) of the symmetric loss: x_k as query, x_q as key."""
-        return (self.query(x_k)[1], *self.positives_and_negatives(x_q, index))
+    def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
+        """The loss terms of the two global views, in the official order of encoder calls (which decides the
+        BatchNorm running statistics): ``(features of x_q, [(q, k₊, negatives), ...], queries, keys by view)``.
+
+        v1/v2 (the official CIFAR demo's symmetric loss): q₁, k₂, then q₂, k₁; the keys are stored as [k₁, k₂]."""
+        h, q = self.query(x_q)
+        k, negatives = self.positives_and_negatives(x_k, index)
+        if not self.hparams.symmetric:
+            return h, [(q, k, negatives)], [q], [k]
+        q2 = self.query(x_k)[1]
+        k1, negatives1 = self.positives_and_negatives(x_q, index)
+        return h, [(q, k, negatives), (q2, k1, negatives1)], [q, q2], [k1, k]
 
     def to_store(self, queries: list[Tensor], keys: list[Tensor]) -> Optional[Tensor]:
         """What the dictionary keeps of this step (the global keys; None: nothing, with no queue to fill)."""
@@ -151,13 +163,8 @@ class MoCo(Pretraining):
         """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
         hp, equal = self.hparams, self._equal_sizes
         x_q, x_k = self._layout(x_q), self._layout(x_k)  # once per view (a no-op afterwards), not per encoder call
-        h, q = self.query(x_q)
-        k, negatives = self.positives_and_negatives(x_k, index)
-        terms, queries, keys = [(q, k, negatives)], [q], [k]
-        if hp.symmetric:
-            q2, k2, negatives2 = self.second_query(x_q, x_k, q, k, index)
-            terms.append((q2, k2, negatives2))
-            queries, keys = [q, q2], [k, k2]
+        h, terms, queries, keys = self.global_terms(x_q, x_k, index)
+        q, k = terms[0][:2]
         if local_views:  # multi-crop: the query encoder alone, every local view against every global key
             local_q = self.query(self._layout(torch.cat(list(local_views))))[1].chunk(len(local_views))
             terms += [(lq, gk, neg) for lq in local_q for _, gk, neg in terms[: len(queries)]]
@@ -206,7 +213,7 @@ class MoCo(Pretraining):
         self._keys = concat_all_gather(stored, equal) if stored is not None else None
         self._index = concat_all_gather(index, equal) if stored is not None and self.stores_by_index else None
         self.log_contrastive("train", out["loss"], out["sims"], out["labels"], on_step=True, on_epoch=False)
-        self.log_lr(**{"train/momentum": self.momentum_at(self.global_step)})
+        self.log_lr(**{"train/momentum": self.momentum_at(self.global_step + 1)})  # m of this step's update
         return {key: out[key] for key in ("loss", "features", "q", "k")}
 
     @property
@@ -219,7 +226,7 @@ class MoCo(Pretraining):
     def finish_step(self) -> None:
         """Momentum update (only if an optimizer step happened), then store the step's keys of all ranks."""
         if self.optimizer_stepped() and self.key_backbone is not None:  # not after an accumulation micro-batch
-            self.momentum_update(self.momentum_at(self.global_step - 1))
+            self.momentum_update(self.momentum_at(self.global_step))  # m(j) after the j-th step (optim.momentum_at)
         if self._keys is not None:
             self.store(self._keys, self._index)
             self._keys = self._index = None
@@ -229,7 +236,7 @@ class MoCo(Pretraining):
         momentum_update([self.key_backbone, self.key_projection_head], [self.backbone, self.projection_head], m)
 
     def momentum_at(self, step: int) -> float:
-        """m for the optimizer step with 0-based index ``step``."""
+        """m(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
         hp = self.hparams
         return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
 

@@ -1,15 +1,17 @@
 """Optimizers and schedules of the MoCo recipes: plain functions of the settings, and a host-sync-free LARS.
 
 - lr is given per 256 images and scaled by the global batch (He et al. 2020, §4: "lr 0.03 for batch 256"; Goyal
-  et al. 2017's linear scaling rule); warm-up is linear, then cosine (v2, v3), steps of ×0.1 (v1) or constant.
-- the momentum of the key encoder is constant (v1/v2) or follows MoCo v3's cosine from m₀ to 1.
-- weight decay is off for norm and bias parameters unless asked (``decay_norm_bias``), as BYOL/v3/lightly.
+  et al. 2017's linear scaling rule); warm-up is linear from 0 (``step / warmup``, as the official MoCo v3 code),
+  then cosine (v2, v3), steps of ×0.1 (v1) or constant.
+- the momentum of the key encoder is constant (v1/v2) or follows MoCo v3's cosine from m₀ to 1. One convention for
+  every momentum method (MoCo, BYOL): the update that follows the j-th optimizer step uses m(j), j = 1, 2, ...,
+  as the official v3 code, whose iteration j blends the weights after j steps with m(j) before its forward.
+- the official v1/v2 code decays every parameter (``MoCo``'s default ``decay_norm_bias=True``); SimCLR/BYOL/SwAV
+  keep norm and bias parameters decay-free; LARS never decays or adapts parameters with ``ndim <= 1``.
 
-:class:`LARS` (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888; MoCo v3 trains ResNets with it) is
-lightly's ``lightly.utils.lars.LARS`` update, written without host-device synchronisation: lightly tests
-``if p_norm != 0 and g_norm != 0`` for every parameter, two reads of GPU values per parameter and step (about
-120 for a v3 ResNet-50); here the same decision is a ``torch.where`` on the device, and the norms of all
-parameters are computed with one foreach kernel.
+:class:`LARS` (You, Gitman, Ginsburg 2017, https://arxiv.org/abs/1708.03888) is MoCo v3's rule, written without
+host-device synchronisation: the decision "both norms > 0" is a ``torch.where`` on the device, and the norms of
+all parameters are computed with one foreach kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def cosine(step: float, total: float, start: float, end: float) -> float:
 
 
 def momentum_at(step: int, total: float, m0: float, schedule: str) -> float:
-    """m of the key encoder for the optimizer step with 0-based index ``step`` (v3: 1 − (1 − m₀)(1 + cos(π t/T))/2)."""
+    """m(j) of the momentum update that follows the j-th optimizer step, ``j = step`` (the ``global_step`` once that
+    step is done): v3's ``1 − (1 − m₀)(1 + cos(π j/J))/2`` over J = ``total`` steps; m(0) = m₀, m(J) = 1."""
     if schedule == "constant":
         return m0
     if not math.isfinite(total):
@@ -54,7 +57,7 @@ def lr_factor(schedule: str, warmup: int, total: float, milestones: Sequence[int
 
     def factor(step: int) -> float:
         if step < warmup:
-            return (step + 1) / warmup
+            return step / warmup  # the official v3 code: lr · (epoch + i/iters) / warmup_epochs, 0 at the first step
         if schedule == "cosine":
             return cosine(step - warmup, total - warmup, 1.0, 0.0)
         if schedule == "step":
@@ -67,51 +70,52 @@ def lr_factor(schedule: str, warmup: int, total: float, milestones: Sequence[int
 def build_optimizer(
     name: str, modules: Iterable[nn.Module], lr: float, weight_decay: float, sgd_momentum: float, decay_norm_bias: bool
 ) -> Optimizer:
-    """SGD, LARS or AdamW over the trainable parameters of ``modules``, in a decayed and a decay-free group."""
+    """SGD, LARS or AdamW over the trainable parameters of ``modules``: SGD and AdamW in a decayed and a decay-free
+    group (norms and biases, unless ``decay_norm_bias``), LARS in one group (its rule leaves ``ndim <= 1`` alone)."""
+    if name == "lars":  # as the official v3 code: all parameters, the optimizer decides by ndim
+        params = [p for module in modules for p in module.parameters() if p.requires_grad]
+        return LARS([{"params": params, "weight_decay": weight_decay}], lr=lr, momentum=sgd_momentum)
     decay, no_decay = get_weight_decay_parameters(list(modules), decay_norm=decay_norm_bias, decay_bias=decay_norm_bias)
     groups = [
-        {"params": [p for p in decay if p.requires_grad], "weight_decay": weight_decay},
-        {"params": [p for p in no_decay if p.requires_grad], "weight_decay": 0.0},
+        {"params": [p for p in params if p.requires_grad], "weight_decay": wd}
+        for params, wd in ((decay, weight_decay), (no_decay, 0.0))
+        if any(p.requires_grad for p in params)
     ]
-    if name == "lars":  # no adaptation for the decay-free group, as v3
-        return LARS(groups, lr=lr, momentum=sgd_momentum)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
     return torch.optim.SGD(groups, lr=lr, momentum=sgd_momentum)
 
 
 class LARS(Optimizer):
-    """SGD with momentum and layer-wise adaptive rate scaling, step for step lightly's ``LARS``.
+    """SGD with momentum and layer-wise adaptive rate scaling, MoCo v3's rule (``facebookresearch/moco-v3``,
+    ``moco/optimizer.py``).
 
-    For every parameter of a group with ``weight_decay != 0``::
+    For every parameter with ``ndim > 1`` (weights of convolutions and linear layers)::
 
-        trust = trust_coefficient · ‖p‖ / (‖g‖ + ‖p‖ · weight_decay + eps)   if ‖p‖ > 0 and ‖g‖ > 0
-        d     = trust · (g + weight_decay · p)                               (else d = g)
+        d = g + weight_decay · p
+        q = trust_coefficient · ‖p‖ / ‖d‖    if ‖p‖ > 0 and ‖d‖ > 0, else 1
+        d = q · d
 
-    then ``buf = momentum · buf + (1 − dampening) · d`` (``buf = d`` on the first step), ``p -= lr · buf``.
-    Groups with ``weight_decay == 0`` (norms and biases, as SimCLR, BYOL and MoCo v3) are plain SGD.
+    parameters with ``ndim <= 1`` (norms and biases) get neither weight decay nor adaptation (``d = g``); then
+    ``μ = momentum · μ + d`` (μ starts at 0) and ``p -= lr · μ``. The adaptation does not depend on the weight
+    decay: with ``weight_decay=0`` it is ``tc · ‖p‖/‖g‖``, not plain SGD. The rule is decided per parameter on the
+    device (``torch.where``), never on the host; norms and updates use foreach kernels.
     """
 
     def __init__(
         self,
         params: Any,
         lr: float,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
+        momentum: float = 0.9,
         weight_decay: float = 0.0,
         trust_coefficient: float = 0.001,
-        eps: float = 1e-8,
     ) -> None:
-        if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ConfigError(f"LARS needs lr, momentum, weight_decay >= 0; got {lr}, {momentum}, {weight_decay}")
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            trust_coefficient=trust_coefficient,
-            eps=eps,
-        )
+        if lr < 0 or momentum < 0 or weight_decay < 0 or trust_coefficient <= 0:
+            raise ConfigError(
+                "LARS needs lr, momentum, weight_decay >= 0 and trust_coefficient > 0; got "
+                f"{lr}, {momentum}, {weight_decay}, {trust_coefficient}"
+            )
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -122,26 +126,21 @@ class LARS(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            wd, momentum = group["weight_decay"], group["momentum"]
-            updates = grads
-            if wd != 0:
-                updates = []
-                for p, g, pn, gn in zip(params, grads, torch._foreach_norm(params), torch._foreach_norm(grads)):
-                    adapt = (pn > 0) & (gn > 0)
-                    trust = torch.where(adapt, group["trust_coefficient"] * pn / (gn + pn * wd + group["eps"]), 1.0)
-                    updates.append(torch.where(adapt, g.add(p, alpha=wd).mul_(trust), g))
-            if momentum != 0:
-                bufs = []
-                for p, d in zip(params, updates):
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.clone(d).detach()
-                    else:
-                        state["momentum_buffer"].mul_(momentum).add_(d, alpha=1 - group["dampening"])
-                    bufs.append(state["momentum_buffer"])
-                updates = bufs
-            torch._foreach_add_(params, updates, alpha=-group["lr"])
+            adapted = [p for p in params if p.ndim > 1]
+            updates = {p: p.grad for p in params}
+            if adapted:
+                d = torch._foreach_add([p.grad for p in adapted], adapted, alpha=group["weight_decay"])
+                for p, dp, pn, dn in zip(adapted, d, torch._foreach_norm(adapted), torch._foreach_norm(d)):
+                    ratio = group["trust_coefficient"] * pn / dn
+                    updates[p] = dp.mul_(torch.where((pn > 0) & (dn > 0), ratio, torch.ones_like(ratio)))
+            bufs = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                bufs.append(state["momentum_buffer"])
+            if bufs:
+                torch._foreach_mul_(bufs, group["momentum"])
+                torch._foreach_add_(bufs, [updates[p] for p in params])
+                torch._foreach_add_(params, bufs, alpha=-group["lr"])
         return loss

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from torch import nn
+from torch import Tensor, nn
 
+from .backbones import zero_init_residuals
 from .errors import ConfigError
 from .heads import is_vit, v3_heads
 from .moco import MoCo
@@ -28,6 +29,9 @@ class MoCoV3(MoCo):
         vit: the official ViT heads (3-layer projector, predictor with the last BN) or the ResNet ones (2-layer
             projector, predictor without it); None: chosen from the backbone.
         freeze_patch_embed: keep a ViT's patch embedding fixed (``conv_proj``, torchvision's and ours).
+        zero_init_residual: the last BatchNorm of every residual block starts at 0 (each block starts as the
+            identity), as the official code builds its ResNets (``zero_init_residual=True``); torchvision ResNet
+            backbones given by name only.
         **kwargs: :class:`MoCo`'s and the backbone/optimizer arguments (no queue, no head choice: these are v3's).
     """
 
@@ -47,6 +51,7 @@ class MoCoV3(MoCo):
         weight_decay: float = 1e-6,
         warmup_epochs: float = 10.0,
         shuffle_bn: Literal["auto", "ddp", "split", "off"] = "off",
+        zero_init_residual: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -74,12 +79,22 @@ class MoCoV3(MoCo):
                     "'conv_proj' (torchvision's vit_* or moco_lightning.backbones.ViT)"
                 )
             proj.requires_grad_(False)
+        if zero_init_residual and isinstance(self.hparams.get("backbone"), str) and zero_init_residuals(self.backbone):
+            self.key_backbone.load_state_dict(self.backbone.state_dict())  # f_k starts as a copy of f_q
 
     def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
         vit: Union[bool, None] = self.hparams.vit
         return v3_heads(
             self.feature_dim, self.hparams.hidden_dim, self.hparams.dim, is_vit(self.backbone) if vit is None else vit
         )
+
+    def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
+        """The official builder's order: q₁, q₂, then k₁, k₂ (the key encoder's BatchNorm sees x₁ first);
+        loss terms L(q₁, k₂) + L(q₂, k₁), the other keys of the global batch as negatives."""
+        h, q1 = self.query(x_q)
+        q2 = self.query(x_k)[1]
+        k1, k2 = self.key(x_q), self.key(x_k)
+        return h, [(q1, k2, None), (q2, k1, None)], [q1, q2], [k1, k2]
 
     def loss_scale(self) -> float:
         return 2 * self.hparams.temperature  # the gradient's size then does not depend on T

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -57,10 +59,12 @@ def test_target_gets_no_gradient_and_moves_only_by_the_cosine_momentum(seeded):
     cpu_trainer(max_steps=3, callbacks=[record]).fit(model, tiny_data())
     assert all(not p.requires_grad for p in model.target_backbone.parameters())
     assert len(record.target_after) == 3
-    for step, (online, before, after) in enumerate(zip(record.online, record.target_before, record.target_after)):
-        m = model.momentum_at(step)
+    # the update after the j-th step uses τ(j), j = 1, 2, 3 (the official MoCo v3 indexing, one for every method)
+    for j, (online, before, after) in enumerate(zip(record.online, record.target_before, record.target_after), 1):
+        m = 1 - 0.1 * (math.cos(math.pi * j / 3) + 1) / 2
+        assert model.momentum_at(j) == pytest.approx(m)
         torch.testing.assert_close(after, m * before + (1 - m) * online)
-    assert model.momentum_at(0) == 0.9 and 0.9 < model.momentum_at(2) < 1.0
+    assert model.momentum_at(0) == 0.9 and model.momentum_at(3) == 1.0
 
 
 def test_a_step_checkpoint_holds_that_steps_momentum_update(seeded, tmp_path):

@@ -97,3 +97,14 @@ def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeyp
     else:
         cli = run_cli(Pretraining, [*args, *fixture_overrides(config, tmp_path)], default_model=MoCo)
     assert cli.trainer.global_step == 2 and cli.trainer.state.finished
+
+
+@pytest.mark.parametrize("config", ["moco_v1.yaml", "moco_v2.yaml", "moco_v2plus.yaml", "cifar10.yaml"])
+def test_v1_v2_configs_decay_every_parameter_as_the_official_code(config):
+    """The official main_moco.py (and the CIFAR demo) decay BN and bias parameters too; so does MoCo by default."""
+    import inspect
+
+    import yaml
+
+    assert yaml.safe_load((ROOT / "configs" / config).read_text())["model"]["decay_norm_bias"] is True
+    assert inspect.signature(MoCo.__init__).parameters["decay_norm_bias"].default is True

@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -124,7 +125,16 @@ def test_key_encoder_gets_no_gradient_and_no_optimizer_state(seeded):
     optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
     assert not optimized & {id(p) for p in key_params}
     assert len(optimized) == len([*model.backbone.parameters(), *model.projection_head.parameters()])
-    # norm and bias parameters get no weight decay
+    # as the official main_moco.py (SGD over model.parameters()): every parameter decays, norms and biases included
+    groups = trainer.optimizers[0].param_groups
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 1e-4 and len(groups[0]["params"]) == len(optimized)
+    assert model.hparams.decay_norm_bias is True
+
+
+def test_decay_norm_bias_false_spares_norms_and_biases(seeded):
+    model = tiny_moco(decay_norm_bias=False)
+    trainer = cpu_trainer(limit_val_batches=0, max_steps=1)
+    trainer.fit(model, tiny_data())
     groups = trainer.optimizers[0].param_groups
     assert groups[0]["weight_decay"] == 1e-4 and groups[1]["weight_decay"] == 0.0
     assert all(p.ndim > 1 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
@@ -140,10 +150,34 @@ def test_cosine_momentum_schedule_follows_optimizer_steps(seeded):
 
     trainer = cpu_trainer(max_epochs=2, callbacks=[Record()], limit_val_batches=0)
     trainer.fit(model, tiny_data())
-    total = 8
-    expected = [1 - 0.1 * (math.cos(math.pi * s / total) + 1) / 2 for s in range(total)]
+    total = 8  # logged: the m of the update that follows each step, m(j) for j = 1..8 (m(8) = 1)
+    expected = [1 - 0.1 * (math.cos(math.pi * s / total) + 1) / 2 for s in range(1, total + 1)]
     assert seen == pytest.approx(expected, abs=1e-6)
-    assert seen[0] == pytest.approx(0.9)
+    assert seen[-1] == 1.0
+
+
+def test_key_encoder_after_step_j_is_blended_with_the_official_m_of_j(seeded):
+    """The official v3 indexing (moco-v3 main_moco.py: iteration j blends the weights after j steps with m(j)); a
+    schedule one step behind (m(j - 1), this library before) fails: 0.99 vs 0.99146 after the first step."""
+    flat = lambda modules: torch.cat([p.detach().flatten().clone() for m in modules for p in m.parameters()])  # noqa: E731
+    records = []
+
+    class Record(Callback):  # callbacks' on_train_batch_end runs before the module's momentum update
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            records.append(
+                (
+                    flat([pl_module.backbone, pl_module.projection_head]),
+                    flat([pl_module.key_backbone, pl_module.key_projection_head]),
+                )
+            )
+
+    model = tiny_moco(momentum=0.99, momentum_schedule="cosine")
+    cpu_trainer(max_steps=4, callbacks=[Record()], limit_val_batches=0).fit(model, tiny_data())
+    after = [key for _, key in records[1:]] + [flat([model.key_backbone, model.key_projection_head])]
+    official = [0.991464466, 0.995, 0.998535534, 1.0]  # 1 − 0.5·(1 + cos(π j/4))·0.01, j = 1..4
+    for j, ((query, before), now, m) in enumerate(zip(records, after, official), start=1):
+        torch.testing.assert_close(now, m * before + (1 - m) * query, rtol=0, atol=1e-6, msg=f"step {j}")
+    assert not torch.allclose(after[0], 0.99 * records[0][1] + 0.01 * records[0][0], rtol=0, atol=1e-6)
 
 
 # --- the loss inside the module ------------------------------------------------------------
@@ -213,8 +247,8 @@ def test_lr_is_per_256_images_and_scaled_by_the_batch(seeded):
 
     trainer.callbacks.append(Record())
     trainer.fit(model, tiny_data(batch_size=16))
-    peak = 0.03 * 16 / 256
-    assert lrs == pytest.approx([peak * s / 4 for s in (1, 2, 3, 4)] + [peak] * 4)
+    peak = 0.03 * 16 / 256  # warm-up from 0 as the official v3 code: lr · t / warmup_epochs at t = step / 4
+    assert lrs == pytest.approx([peak * s / 4 for s in (0, 1, 2, 3)] + [peak] * 4)
 
 
 # --- validation never touches the dictionary -----------------------------------------------
@@ -309,6 +343,48 @@ def test_v3_loss_equals_hand_computation_and_predictor_is_query_only(seeded):
         * (F.cross_entropy(q_of(x1) @ k_of(x2).T / T, labels) + F.cross_entropy(q_of(x2) @ k_of(x1).T / T, labels))
     )
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_v3_key_encoder_sees_x1_then_x2_as_the_official_builder(seeded):
+    """The official v3 forward computes k1 = f_k(x1), then k2 = f_k(x2): the key encoder's BatchNorm running
+    statistics follow that order (the other order, this library before, ends 3.5e-2 away after 4 steps)."""
+    model = tiny_moco(MoCoV3, hidden_dim=16, optimizer="lars")
+    x1, x2 = torch.randn(6, 1, 28, 28) + 2, torch.randn(6, 1, 28, 28) - 2
+    official, swapped = copy.deepcopy(model.key_backbone), copy.deepcopy(model.key_backbone)
+    model.train()
+    model.contrast(x1, x2)
+    with torch.no_grad():
+        official(x1), official(x2)
+        swapped(x2), swapped(x1)
+    bn = [m for m in model.key_backbone.modules() if isinstance(m, nn.BatchNorm2d)][0]
+    bn_official = [m for m in official.modules() if isinstance(m, nn.BatchNorm2d)][0]
+    bn_swapped = [m for m in swapped.modules() if isinstance(m, nn.BatchNorm2d)][0]
+    torch.testing.assert_close(bn.running_mean, bn_official.running_mean, rtol=0, atol=1e-7)
+    assert not torch.allclose(bn.running_mean, bn_swapped.running_mean, rtol=0, atol=1e-4)
+
+
+def test_symmetric_v2_enqueues_k1_then_k2_as_the_official_cifar_demo(seeded):
+    """The official demo's symmetric loss enqueues torch.cat([k1, k2]), k1 = f_k(x1) (not [f_k(x2), f_k(x1)])."""
+    model = tiny_moco(symmetric=True)
+    x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    out = model.contrast(x1, x2)
+    torch.testing.assert_close(out["keys"], torch.cat([model.key(x1), model.key(x2)]), rtol=0, atol=1e-6)
+
+
+def test_v3_resnets_start_with_zero_initialised_residual_branches():
+    """As the official v3 (torchvision's zero_init_residual=True): the last BN of every block starts at 0, the key
+    encoder is a copy; v2 and zero_init_residual=False keep torchvision's init."""
+    v3 = MoCoV3(backbone="resnet18", width=0.25, in_channels=1, cifar_stem=True, image_size=28, hidden_dim=16, dim=8)
+    blocks = [m for m in v3.backbone.modules() if type(m).__name__ == "BasicBlock"]
+    assert len(blocks) == 8 and all(torch.count_nonzero(b.bn2.weight) == 0 for b in blocks)
+    assert all(torch.count_nonzero(b.bn1.weight) > 0 for b in blocks)
+    for a, b in zip(v3.backbone.state_dict().values(), v3.key_backbone.state_dict().values()):
+        assert torch.equal(a, b)
+    for model in (
+        MoCoV3(backbone="resnet18", width=0.25, hidden_dim=16, dim=8, zero_init_residual=False),
+        MoCo(backbone="resnet18", width=0.25, hidden_dim=16, dim=8, queue_size=16),
+    ):
+        assert all(torch.count_nonzero(m.bn2.weight) > 0 for m in model.backbone.modules() if hasattr(m, "bn2"))
 
 
 def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(seeded):

@@ -1,42 +1,77 @@
-"""The optimizers: LARS equals lightly's update step for step, without reading any device value on the host."""
+"""The optimizers and schedules: MoCo v3's LARS rule against a float64 reference of the formula, no host reads,
+the parameter groups of each recipe, and every lr schedule at chosen steps against its formula."""
+
+import math
 
 import pytest
 import torch
 from lightly.utils.lars import LARS as LightlyLARS
+from torch import nn
 
-from moco_lightning.optim import LARS
+from moco_lightning.optim import LARS, build_optimizer, lr_factor, momentum_at
+
+
+def reference_lars_step(params, grads, bufs, lr, momentum, weight_decay, tc):
+    """moco-v3's ``moco/optimizer.py`` rule, one parameter at a time, in float64 (written from the formula)."""
+    out = []
+    for p, g, mu in zip(params, grads, bufs):
+        d = g.clone()
+        if p.ndim > 1:
+            d = d + weight_decay * p
+            pn, dn = p.norm().item(), d.norm().item()
+            q = tc * pn / dn if pn > 0 and dn > 0 else 1.0
+            d = d * q
+        mu.mul_(momentum).add_(d)
+        out.append(p - lr * mu)
+    return out
 
 
 def params_and_grads(seed):
     g = torch.Generator().manual_seed(seed)
-    shapes = [(8, 4), (8,), (3, 3, 2, 2), (5,)]
-    params = [torch.randn(s, generator=g) for s in shapes]
-    params[3].zero_()  # a zero parameter: no adaptation (lightly's p_norm != 0 test)
-    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    shapes = [(8, 4), (8,), (3, 3, 2, 2), (5,), (6, 2), (4, 4)]
+    params = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    params[4].zero_()  # zero weights (ndim 2): no adaptation, q = 1
+    grads = [[torch.randn(s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(4)]
     for step in grads:
-        step[1].zero_()  # a zero gradient: no adaptation (lightly's g_norm != 0 test)
+        step[5].zero_()  # a zero gradient on a matrix: with weight decay d = wd·p, without d = 0 (q = 1)
     return params, grads
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_lars_equals_lightly_step_for_step(momentum):
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+def test_lars_is_moco_v3s_rule_step_for_step(momentum, weight_decay):
+    """Catches lightly's rule (‖g‖ + wd·‖p‖ in the denominator, skipped on a zero gradient, no adaptation when
+    weight_decay=0) and decay or adaptation of 1-d parameters."""
     params, grads = params_and_grads(0)
     ours = [p.clone().requires_grad_() for p in params]
-    theirs = [p.clone().requires_grad_() for p in params]
-
-    def groups(ps):
-        return [{"params": ps[:2], "weight_decay": 1e-2}, {"params": ps[2:], "weight_decay": 0.0}]
-
-    opt_ours = LARS(groups(ours), lr=0.3, momentum=momentum, trust_coefficient=0.02)
-    opt_theirs = LightlyLARS(groups(theirs), lr=0.3, momentum=momentum, trust_coefficient=0.02)
+    ref, bufs = [p.clone() for p in params], [torch.zeros_like(p) for p in params]
+    opt = LARS([{"params": ours, "weight_decay": weight_decay}], lr=0.3, momentum=momentum, trust_coefficient=0.02)
     for step in grads:
-        for p, q, g in zip(ours, theirs, step):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt_ours.step()
-        opt_theirs.step()
-        for p, q in zip(ours, theirs):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    assert not torch.equal(ours[0], params[0])
+        for p, g in zip(ours, step):
+            p.grad = g.clone()
+        opt.step()
+        ref = reference_lars_step(ref, step, bufs, 0.3, momentum, weight_decay, 0.02)
+        for p, r in zip(ours, ref):
+            torch.testing.assert_close(p.detach(), r, rtol=1e-12, atol=1e-12)
+    # 1-d parameters: plain SGD with momentum (no decay, no adaptation)
+    expected_1d, buf = params[1].clone(), torch.zeros_like(params[1])
+    for step in grads:
+        buf = momentum * buf + step[1]
+        expected_1d -= 0.3 * buf
+    torch.testing.assert_close(ours[1].detach(), expected_1d, rtol=1e-12, atol=1e-12)
+
+
+def test_lars_without_weight_decay_still_adapts_unlike_lightly():
+    """With weight_decay=0 lightly's LARS is plain SGD; moco-v3's scales the update to tc·‖p‖ per layer."""
+    p = torch.full((4, 4), 2.0, requires_grad=True)
+    p.grad = torch.full((4, 4), 5.0)
+    LARS([p], lr=1.0, momentum=0.0, trust_coefficient=0.001).step()
+    # update = tc·‖p‖/‖g‖ · g: its norm is tc·‖p‖ = 0.001·8
+    torch.testing.assert_close((torch.full((4, 4), 2.0) - p.detach()).norm(), torch.tensor(0.008))
+    q = torch.full((4, 4), 2.0, requires_grad=True)
+    q.grad = torch.full((4, 4), 5.0)
+    LightlyLARS([q], lr=1.0, momentum=0.0).step()
+    assert (torch.full((4, 4), 2.0) - q.detach()).norm() > 100 * 0.008
 
 
 def test_lars_step_reads_no_value_on_the_host(monkeypatch):
@@ -58,3 +93,55 @@ def test_lars_step_reads_no_value_on_the_host(monkeypatch):
     with pytest.raises(AssertionError, match="read on the host"):
         monkeypatch.setattr(torch.Tensor, "__bool__", refuse)
         LightlyLARS([{"params": ps, "weight_decay": 1e-2}], lr=0.1).step()
+
+
+def small_net():
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+
+
+def test_parameter_groups_of_each_optimizer():
+    """The official v1/v2 SGD decays everything; decay_norm_bias=False spares norms and biases; LARS gets one group
+    (its rule decides by ndim, as moco-v3 passes model.parameters())."""
+    net = small_net()
+    n = len(list(net.parameters()))
+    sgd_all = build_optimizer("sgd", [net], 0.1, 1e-4, 0.9, decay_norm_bias=True)
+    assert [len(g["params"]) for g in sgd_all.param_groups] == [n] and sgd_all.param_groups[0]["weight_decay"] == 1e-4
+    sgd = build_optimizer("sgd", [net], 0.1, 1e-4, 0.9, decay_norm_bias=False)
+    decayed, free = sgd.param_groups
+    assert all(p.ndim > 1 for p in decayed["params"]) and all(p.ndim == 1 for p in free["params"])
+    assert free["weight_decay"] == 0.0 and len(decayed["params"]) + len(free["params"]) == n
+    for flag in (True, False):
+        lars = build_optimizer("lars", [net], 0.1, 1e-6, 0.9, decay_norm_bias=flag)
+        assert isinstance(lars, LARS) and len(lars.param_groups) == 1 and len(lars.param_groups[0]["params"]) == n
+
+
+def test_warmup_then_cosine_is_the_official_v3_formula_at_chosen_steps():
+    """moco-v3's adjust_learning_rate at t = step/steps_per_epoch: lr·t/w during warm-up (0 at the first step), then
+    lr·(1 + cos(π(t − w)/(E − w)))/2."""
+    steps_per_epoch, warmup_epochs, epochs = 10, 2, 10
+    f = lr_factor("cosine", warmup_epochs * steps_per_epoch, epochs * steps_per_epoch, [])
+    for step in (0, 1, 7, 19, 20, 21, 55, 99):
+        t = step / steps_per_epoch
+        expected = (
+            t / warmup_epochs
+            if t < warmup_epochs
+            else 0.5 * (1 + math.cos(math.pi * (t - warmup_epochs) / (epochs - warmup_epochs)))
+        )
+        assert f(step) == pytest.approx(expected, abs=1e-12), step
+    assert f(0) == 0.0 and f(20) == 1.0
+
+
+def test_cosine_without_warmup_and_the_v1_steps_at_chosen_steps():
+    f = lr_factor("cosine", 0, 200, [])
+    assert [f(s) for s in (0, 50, 100, 150, 200)] == pytest.approx([1.0, (1 + 2**-0.5) / 2, 0.5, (1 - 2**-0.5) / 2, 0])
+    v1 = lr_factor("step", 0, 200, [120, 160])  # the v1 paper's ×0.1 at epochs 120 and 160 (1 step per epoch here)
+    assert [v1(s) for s in (0, 119, 120, 159, 160, 199)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.01])
+    assert lr_factor("constant", 3, 100, [])(50) == 1.0 and lr_factor("constant", 3, 100, [])(1) == pytest.approx(1 / 3)
+
+
+def test_cosine_momentum_is_m_of_j_after_the_j_th_step():
+    """The official v3 values of a 4-step run: m(1..4) = 0.99146, 0.995, 0.99854, 1 (m(0) = m₀ is the no-op update
+    on identical encoders that the official code makes before its first step)."""
+    got = [momentum_at(j, 4, 0.99, "cosine") for j in range(5)]
+    assert got == pytest.approx([0.99, 0.991464466, 0.995, 0.998535534, 1.0], abs=1e-9)
+    assert momentum_at(3, 4, 0.99, "constant") == 0.99
