@@ -231,10 +231,28 @@ def knn_top1(bank: Tensor, bank_y: Tensor, queries: Tensor, queries_y: Tensor, k
     return counts[0].item() / counts[1].item()
 
 
+#: the low-label linear probe: this fraction of each class of the bank, trained for this many optimizer steps
+LOW_LABEL_FRACTION, LOW_LABEL_STEPS = 0.01, 500
+
+
+def low_label_probe(
+    bank_f: Tensor, bank_y: Tensor, q_f: Tensor, q_y: Tensor, fraction: float = LOW_LABEL_FRACTION, seed: int = 0
+) -> float:
+    """Top-1 of a linear classifier on frozen, standardised features of ``fraction`` of each class of the bank
+    (seeded, class-stratified: the library's ``balanced_subset``), ``LOW_LABEL_STEPS`` Adam steps of 256."""
+    from moco_lightning.callbacks import probe_accuracy
+    from moco_lightning.linear_eval import balanced_subset
+
+    idx = balanced_subset(bank_y, fraction=fraction, seed=seed)
+    epochs = max(1, LOW_LABEL_STEPS // -(-len(idx) // 256))
+    return probe_accuracy(bank_f[idx], bank_y[idx], q_f, q_y, 10, epochs=epochs, seed=seed)
+
+
 def evaluate(
     module: nn.Module, bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], probe_epochs: int, seed: int = 0
 ) -> dict:
-    """kNN top-1 and linear-probe top-1 of ``module``'s frozen features (``nn.Flatten()``: raw pixels)."""
+    """kNN top-1, linear-probe top-1 and the 1 %-label linear top-1 of ``module``'s frozen features
+    (``nn.Flatten()``: raw pixels)."""
     from moco_lightning.callbacks import probe_accuracy
 
     t = time.perf_counter()
@@ -243,6 +261,7 @@ def evaluate(
     out = {"knn_top1": knn_top1(bank_f, bank_y, q_f, q_y), "feature_dim": bank_f.shape[1]}
     if probe_epochs:
         out["probe_top1"] = probe_accuracy(bank_f, bank_y, q_f, q_y, 10, epochs=probe_epochs, seed=seed)
+        out["low_label_top1"] = low_label_probe(bank_f, bank_y, q_f, q_y, seed=seed)
     out["eval_s"] = time.perf_counter() - t
     return out
 

@@ -1,5 +1,6 @@
 """Representation quality for a fixed training wall-clock budget, for configs of ``configs/`` and the reference.
 
+    python benchmarks/quality.py --qe 16 --systems fashion_mnist_long quickstart           # 16 quickstart epochs each
     python benchmarks/quality.py --minutes 10 --systems quickstart fashion_mnist_10min reference
     python benchmarks/quality.py --minutes 30 --systems fashion_mnist_30min --out benchmarks/results/quality_30min.png
     python benchmarks/quality.py --minutes 0.2 --systems quickstart reference --eval-subset 2000 --probe-epochs 2 \\
@@ -9,14 +10,19 @@ A system is a config name (``configs/<name>.yaml``, model and data as the CLI bu
 ``reference``: the lightly-examples MoCo of ``_common.make_reference`` with the quickstart's model settings, lightly's
 per-image ``MoCoV2Transform`` in DataLoader workers (the faster of ``--ref-workers``). For each system:
 
+Budgets: ``--qe N`` gives every system N quickstart-epoch equivalents of training wall time (1 QE: one epoch of
+``configs/quickstart.yaml``, 60k images, timed first in the same run), a budget that means the same on a machine
+3.5x faster or slower; ``--minutes`` a fixed wall time.
+
 1. speed: a throwaway run times seconds per step (not counted in the budget);
 2. plan: ``steps = budget / (s/step)``; the cosine lr schedule spans exactly these steps;
 3. train; a callback keeps the training clock (evaluations pause it), re-plans once after ``--replan-at`` of the
    planned steps from the speed measured in the run itself (the machine is shared: its speed drifts between the
    timing and the run), stretching or shrinking the lr schedule to the new step count, stops at the budget if the
    plan was still optimistic, and evaluates the kNN at ``--curve-points`` steps on a small fixed set;
-4. evaluate the frozen backbone: weighted kNN top-1 (k 200, T 0.1, cosine: the library's ``knn_counts``) and a
-   linear probe (the library's ``probe_accuracy``: standardised features, Adam, ``--probe-epochs``).
+4. evaluate the frozen backbone: weighted kNN top-1 (k 200, T 0.1, cosine: the library's ``knn_counts``), a
+   linear probe (the library's ``probe_accuracy``: standardised features, Adam, ``--probe-epochs``) and the same
+   probe trained on 1 % of the bank's labels (class-stratified, seeded: ``low_label_probe``).
 
 ``--split test`` (default): pretraining on the 60k train images, kNN bank / probe training = the 60k train images
 with the evaluation transform, queries = the official 10k test split. ``--split val`` (what recipes are selected on,
@@ -111,7 +117,12 @@ class System:
         import lightning.pytorch as pl
 
         model, data = self.build(total_steps or steps)
-        pl.Trainer(**trainer_kwargs(steps, callbacks)).fit(model, **data)
+        trainer = pl.Trainer(**trainer_kwargs(steps, callbacks))
+        trainer.fit(model, **data)
+        save_dir = getattr(self.args, "save_checkpoints", None)
+        if save_dir and total_steps:  # the budgeted run, not a timing run: its final weights, for low_label.py
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            trainer.save_checkpoint(Path(save_dir) / f"{self.name}.ckpt")
         return model
 
     def seconds_per_step(self) -> float:
@@ -242,12 +253,29 @@ def run_system(
         workers=system.workers,
         curve=clock.curve,
     )
+    pretext = getattr(getattr(model, "_trainer", None), "callback_metrics", {}).get("train/acc1")
+    result["pretext_acc1"] = float(pretext) if pretext is not None else float("nan")
     print(
         f"  [{system.name}] {steps} steps ({steps / epoch:.2f} epochs) in {clock.train_s:.0f} s: kNN "
-        f"{100 * result['knn_top1']:.2f} %, probe {100 * result.get('probe_top1', float('nan')):.2f} %\n",
+        f"{100 * result['knn_top1']:.2f} %, probe {100 * result.get('probe_top1', float('nan')):.2f} %, 1 %-label "
+        f"linear {100 * result.get('low_label_top1', float('nan')):.2f} %; pretext acc1 at the end "
+        f"{result['pretext_acc1']:.3f}\n",
         flush=True,
     )
     return result
+
+
+QE_CONFIG, QE_IMAGES = "quickstart", 60000  # 1 QE: one epoch of configs/quickstart.yaml over the 60k train images
+
+
+def quickstart_epoch_seconds(args, splits: Splits, sps: Optional[float] = None) -> float:
+    """The wall time of one quickstart epoch on this machine now (``sps``: its seconds per step, if timed already)."""
+    system = System(QE_CONFIG, args, splits)
+    sps = system.seconds_per_step() if sps is None else sps
+    steps = QE_IMAGES // system.batch_size()
+    qe = sps * steps
+    print(f"1 QE = {qe:.1f} s on this machine now (configs/{QE_CONFIG}.yaml: {sps:.4f} s/step x {steps} steps)\n")
+    return qe
 
 
 def baselines(splits: Splits, config: str, args) -> dict:
@@ -272,17 +300,18 @@ def write_results(out: Path, results: dict, args, title: str) -> None:
             f"{r['images_per_s']:.0f}" if "images_per_s" in r else "-",
             f"{100 * r['knn_top1']:.2f}",
             f"{100 * r['probe_top1']:.2f}" if "probe_top1" in r else "-",
+            f"{100 * r['low_label_top1']:.2f}" if "low_label_top1" in r else "-",
         ]
         for name, r in results.items()
     ]
-    print_table(rows, ["system", "epochs", "train s", "images/s", "kNN top-1 %", "probe top-1 %"])
+    print_table(rows, ["system", "epochs", "train s", "images/s", "kNN top-1 %", "probe top-1 %", "1 %-label linear %"])
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "kind", "step", "train_seconds", "knn_top1", "probe_top1", "split"])
+        w.writerow(["system", "kind", "step", "train_seconds", "knn_top1", "probe_top1", "split", "low_label_top1"])
         for name, r in results.items():
             for s, step, acc in r.get("curve", []):
-                w.writerow([name, "curve", step, f"{s:.2f}", f"{acc:.4f}", "", args.split])
+                w.writerow([name, "curve", step, f"{s:.2f}", f"{acc:.4f}", "", args.split, ""])
             w.writerow(
                 [
                     name,
@@ -292,6 +321,7 @@ def write_results(out: Path, results: dict, args, title: str) -> None:
                     f"{r['knn_top1']:.4f}",
                     f"{r.get('probe_top1', float('nan')):.4f}",
                     args.split,
+                    f"{r.get('low_label_top1', float('nan')):.4f}",
                 ]
             )
     import matplotlib
@@ -343,10 +373,13 @@ def main(argv=None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget per system")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--qe", type=float, default=None, help="budget per system in quickstart-epoch equivalents")
+    budget.add_argument("--minutes", type=float, default=None, help="training wall-clock budget per system (10)")
     p.add_argument("--systems", nargs="+", default=["quickstart", "reference"])
     p.add_argument("--ref-workers", type=int, nargs="+", default=[0, 2])
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quality.png"))
+    p.add_argument("--save-checkpoints", default=None, help="folder: each system's final weights as <name>.ckpt")
     add_common_args(p)
     args = p.parse_args(argv)
     quiet()
@@ -359,11 +392,15 @@ def main(argv=None) -> None:
         f"probe {args.probe_epochs} epochs\n",
         flush=True,
     )
+    if args.qe is not None:
+        budget_s, label = args.qe * quickstart_epoch_seconds(args, splits), f"{args.qe:g} QE"
+    else:
+        budget_s, label = 60 * (args.minutes or 10.0), f"{args.minutes or 10.0:g} min"
     first = next((s for s in args.systems if s != "reference"), "quickstart")
     results = baselines(splits, first, args)
     for name in args.systems:
-        results[name] = run_system(System(name, args, splits), 60 * args.minutes, args.curve_points, args.ref_workers)
-    write_results(Path(args.out), results, args, f"Fashion-MNIST, {args.minutes:g} min per system, split {args.split}")
+        results[name] = run_system(System(name, args, splits), budget_s, args.curve_points, args.ref_workers)
+    write_results(Path(args.out), results, args, f"Fashion-MNIST, {label} per system, split {args.split}")
     footer(t0)
 
 

@@ -58,7 +58,10 @@ def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def first_view(x: Any) -> Tensor:
-    """The first view of a pretraining batch's ``[view_1, view_2]``, or the image tensor itself."""
+    """The first view of a pretraining batch's ``[view_1, view_2]`` (or of stacked views (N, V, C, H, W)), or the
+    image tensor itself."""
+    if isinstance(x, Tensor) and x.ndim == 5:
+        return x[:, 0]
     return x[0] if isinstance(x, (list, tuple)) else x
 
 

@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from moco_lightning.base import describe_batch
 from moco_lightning.errors import ConfigError
 
 from ._utils import (
@@ -117,7 +118,13 @@ class LinearProbe(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        y = batch[1]
+        y = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else None
+        if not isinstance(y, Tensor) or y.ndim != 1:
+            raise ConfigError(
+                "LinearProbe trains on the training batches' labels: batches must be ([view_1, view_2], target, ...) "
+                f"with target a (N,) tensor of class indices (-1: unlabelled); got {describe_batch(batch)}. Remove "
+                "the LinearProbe callback for unlabelled data"
+            )
         features = outputs.get("features") if isinstance(outputs, dict) else None
         if features is None or features.shape[0] != y.shape[0]:
             features = self._features(trainer, pl_module, first_view(batch[0]))

@@ -128,6 +128,8 @@ class TwoViewDataModule(LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0 (0: load in the training process), got {num_workers}")
         self.batch_size, self.image_size, self.num_workers, self.seed = batch_size, image_size, num_workers, seed
         self.pretrain, self.views = pretrain, views
         self._generator: Optional[torch.Generator] = None
@@ -223,6 +225,8 @@ class InMemoryDataModule(TwoViewDataModule):
         local_views, local_size, local_scale: multi-crop (SwAV §3.2): small extra views for the query encoder
             (:class:`BatchViews`); ``local_size`` None: 96/224 of ``image_size``.
         train_subset, val_subset: the first N images of each split (None: all).
+        supervised_min_scale: smallest crop area of the supervised training views (``pretrain=False``: linear
+            evaluation, fine-tuning, training from scratch): 0.08 is the linear protocol's; 1.0 is flips only.
     """
 
     def __init__(
@@ -238,6 +242,7 @@ class InMemoryDataModule(TwoViewDataModule):
         local_scale: Tuple[float, float] = (0.05, 0.14),
         train_subset: Optional[int] = None,
         val_subset: Optional[int] = None,
+        supervised_min_scale: float = 0.08,
     ) -> None:
         for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
             if value is not None and value < 1:
@@ -246,7 +251,7 @@ class InMemoryDataModule(TwoViewDataModule):
         views = (
             settings.batch_views(self.mean, self.std)
             if pretrain
-            else linear_eval_views(image_size, self.mean, self.std)
+            else linear_eval_views(image_size, self.mean, self.std, min_scale=supervised_min_scale)
         )
         super().__init__(batch_size, image_size, num_workers, seed, pretrain, views)
         self.view_settings = settings
@@ -281,6 +286,24 @@ class InMemoryDataModule(TwoViewDataModule):
 
     def eval_val_dataloader(self) -> DataLoader:
         return self._loader(self._splits["val"], collate_fn=self._eval_collate())
+
+    # --- low-label training (LinearClassifier's label_fraction / labels_per_class) -------------------
+    def train_targets(self) -> Tensor:
+        """The targets of the training split (as loaded, after ``train_subset``)."""
+        self._load_splits()
+        return self._splits["train"].targets
+
+    def select_train(self, indices: Tensor) -> None:
+        """Keeps only these images of the training split (a labelled subset; positions in :meth:`train_targets`)."""
+        self._load_splits()
+        ds = self._splits["train"]
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        if len(indices) < self.batch_size:
+            raise ConfigError(
+                f"the labelled subset has {len(indices)} images, fewer than batch_size={self.batch_size} (training "
+                "drops the last partial batch, so nothing would be trained): lower data.batch_size or use more labels"
+            )
+        self._splits["train"] = ImageTensorDataset(ds.images[indices], ds.targets[indices])
 
     # --- helpers ----------------------------------------------------------------------------
     def _load_splits(self) -> None:

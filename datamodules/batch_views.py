@@ -49,6 +49,14 @@ class BatchViews(nn.Module):
             random resized crops of ``local_size`` px from ``local_scale`` of the image's area, returned after the
             ``n_views`` global ones (colour as the global views; blur and solarize with the mean of their
             per-view probabilities).
+        translate: random translation by up to this many pixels in x and y (integers, zero-filled: the
+            pad-and-crop of supervised CIFAR training), after the crop.
+        rotation: random rotation by up to this many degrees either way (zero-filled corners).
+        erase_prob: probability of random erasing (Zhong et al. 2020, torchvision's ``RandomErasing`` defaults: one
+            rectangle of 2-33 % of the area, aspect 0.3-3.3, filled with the mean, i.e. 0 after normalisation).
+
+    Translation, rotation and erasing keep a small centred image recognisable while making the pretext task
+    harder than flips and jitter alone (Fashion-MNIST's views without a crop are solved after a few epochs).
     """
 
     def __init__(
@@ -69,8 +77,17 @@ class BatchViews(nn.Module):
         local_views: int = 0,
         local_size: int = 0,
         local_scale: Tuple[float, float] = (0.05, 0.14),
+        translate: int = 0,
+        rotation: float = 0.0,
+        erase_prob: float = 0.0,
     ) -> None:
         super().__init__()
+        if translate < 0 or rotation < 0 or not 0 <= erase_prob <= 1:
+            raise ConfigError(
+                f"translate and rotation must be >= 0 and erase_prob in [0, 1]; got translate={translate}, "
+                f"rotation={rotation}, erase_prob={erase_prob}"
+            )
+        self.translate, self.rotation, self.erase_prob = int(translate), float(rotation), float(erase_prob)
         if not 0 < min_scale <= max_scale <= 1:
             raise ConfigError(
                 f"min_scale/max_scale must satisfy 0 < min_scale <= max_scale <= 1, got {min_scale}, {max_scale}"
@@ -128,7 +145,26 @@ class BatchViews(nn.Module):
             sol = self._rand(n, x, g, 1, 1, 1) < self.solarize_prob[v]
             out = torch.where(sol & (out >= 0.5), 1.0 - out, out)
         mean, std = self._stats(out.device)
+        if self.erase_prob > 0:
+            out = self._erase(out, mean, g)
         return (out - mean) / std
+
+    def _erase(self, x: Tensor, fill: Tensor, g: Optional[torch.Generator]) -> Tensor:
+        """One random rectangle per image (with ``erase_prob``) set to ``fill``: torchvision's RandomErasing
+        sampling (area 0.02-0.33, log-uniform aspect 0.3-3.3), clipped to the image instead of retried."""
+        n, c, h, w = x.shape
+        area = (0.02 + 0.31 * self._rand(n, x, g)) * h * w
+        ratio = (math.log(0.3) + (math.log(3.3) - math.log(0.3)) * self._rand(n, x, g)).exp()
+        eh = (area * ratio).sqrt().round().clamp(1, h)
+        ew = (area / ratio).sqrt().round().clamp(1, w)
+        top = ((h - eh + 1) * self._rand(n, x, g)).floor()
+        left = ((w - ew + 1) * self._rand(n, x, g)).floor()
+        rows = torch.arange(h, device=x.device, dtype=x.dtype).view(1, h, 1)
+        cols = torch.arange(w, device=x.device, dtype=x.dtype).view(1, 1, w)
+        inside = (rows >= top.view(n, 1, 1)) & (rows < (top + eh).view(n, 1, 1))
+        inside = inside & (cols >= left.view(n, 1, 1)) & (cols < (left + ew).view(n, 1, 1))
+        erase = inside.unsqueeze(1) & (self._rand(n, x, g, 1, 1, 1) < self.erase_prob)
+        return torch.where(erase, fill.to(x.dtype).expand(n, c, 1, 1), x)
 
     def _stats(self, device: torch.device) -> Tuple[Tensor, Tensor]:
         if self.mean.device == device:
@@ -140,7 +176,8 @@ class BatchViews(nn.Module):
     def _crop_flip(self, x: Tensor, g: Optional[torch.Generator], size: int, scale: Tuple[float, float]) -> Tensor:
         """torchvision's RandomResizedCrop sampling (10 tries, then the whole image) + flip, as one warp."""
         n, c, h, w = x.shape
-        if scale == (1.0, 1.0) and h == w == size:  # views cropped beforehand: the flip alone, no resample
+        moves = self.translate > 0 or self.rotation > 0
+        if scale == (1.0, 1.0) and h == w == size and not moves:  # cropped beforehand: the flip alone, no resample
             return torch.where(self._rand(n, x, g, 1, 1, 1) < self.hflip_prob, x.flip(-1), x)
         tries = 10
         area = scale[0] + (scale[1] - scale[0]) * self._rand(n, x, g, tries)
@@ -156,9 +193,20 @@ class BatchViews(nn.Module):
         cy = (self._rand(n, x, g) * 2 - 1) * (1 - ch)
         flip = torch.where(self._rand(n, x, g) < self.hflip_prob, -1.0, 1.0)
         zero = torch.zeros_like(cw)
-        theta = torch.stack([torch.stack([cw * flip, zero, cx], 1), torch.stack([zero, ch, cy], 1)], 1)
-        grid = F.affine_grid(theta, [n, c, size, size], align_corners=False)
-        return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+        if not moves:
+            theta = torch.stack([torch.stack([cw * flip, zero, cx], 1), torch.stack([zero, ch, cy], 1)], 1)
+            grid = F.affine_grid(theta, [n, c, size, size], align_corners=False)
+            return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+        # input = centre + shift + diag(cw·flip, ch) · R(angle) · output: crop, rotate about the crop's centre, shift
+        angle = (2 * self._rand(n, x, g) - 1) * math.radians(self.rotation)
+        cos, sin = angle.cos(), angle.sin()
+        t = self.translate
+        shift_x = ((self._rand(n, x, g) * (2 * t + 1)).floor() - t) * 2 / w  # whole pixels in [-t, t]
+        shift_y = ((self._rand(n, x, g) * (2 * t + 1)).floor() - t) * 2 / h
+        row_x = torch.stack([cw * flip * cos, -cw * flip * sin, cx + shift_x], 1)
+        row_y = torch.stack([ch * sin, ch * cos, cy + shift_y], 1)
+        grid = F.affine_grid(torch.stack([row_x, row_y], 1), [n, c, size, size], align_corners=False)
+        return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
     def _jitter(self, x: Tensor, g: Optional[torch.Generator]) -> Tensor:
         n, c = x.shape[:2]
@@ -184,8 +232,9 @@ class BatchViews(nn.Module):
     def _blur(self, x: Tensor, prob: float, g: Optional[torch.Generator], size: int) -> Tensor:
         n, c, h, w = x.shape
         # MoCo v2: kernel 10 % of the side (23 px at 224), sigma in [0.1, 2.0] at 224 px.
-        k = max(3, int(0.1 * size) // 2 * 2 + 1)
         lo, hi = self.blur_sigma
+        # ... and at least ±2 sigma wide (small images with a strong blur_sigma: 5 px for sigma 1 px)
+        k = max(3, int(0.1 * size) // 2 * 2 + 1, 2 * math.ceil(2 * hi * size / 224) + 1)
         sigma = (lo + (hi - lo) * self._rand(n, x, g)) * size / 224
         r = torch.arange(k, device=x.device, dtype=x.dtype) - k // 2
         kern = torch.exp(-(r[None] ** 2) / (2 * sigma[:, None] ** 2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
@@ -57,6 +58,11 @@ class FashionMNISTDataModule(InMemoryDataModule):
         min_scale: smallest area fraction of the random resized crop (0.2: MoCo's).
         jitter_strength: brightness and contrast jitter (0.4: MoCo's); saturation and hue are no-ops on one channel.
         jitter_prob: probability of colour jitter (v2: 0.8).
+        translate: random translation by up to this many pixels (pad-and-crop, zero-filled).
+        rotation: random rotation by up to this many degrees.
+        erase_prob: probability of random erasing (one rectangle of 2-33 % of the image).
+        blur_prob: probability of Gaussian blur (off by default at 28 px, as the official CIFAR demo), with
+            ``blur_sigma``: its sigma range in pixels of the 28-px image.
         **kwargs: batch size, workers, seed, multi-crop, subsets: see
             :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
     """
@@ -74,8 +80,15 @@ class FashionMNISTDataModule(InMemoryDataModule):
         min_scale: float = 0.2,
         jitter_strength: float = 0.4,
         jitter_prob: float = 0.8,
+        translate: int = 0,
+        rotation: float = 0.0,
+        erase_prob: float = 0.0,
+        blur_prob: float = 0.0,
+        blur_sigma: Tuple[float, float] = (0.1, 1.0),
         **kwargs: Any,
     ) -> None:
+        if jitter_strength < 0:
+            raise ConfigError(f"jitter_strength must be >= 0 (0.4: MoCo's), got {jitter_strength}")
         # the moco_v2 preset (no blur, no grayscale on one channel) with the strengths given here
         settings = view_settings(
             "moco_v2",
@@ -84,6 +97,19 @@ class FashionMNISTDataModule(InMemoryDataModule):
             jitter_strength=jitter_strength / 0.4,
             jitter_prob=jitter_prob,
             blur=False,
+        )
+        if not 0 <= blur_prob <= 1 or not 0 < blur_sigma[0] <= blur_sigma[1]:
+            raise ConfigError(
+                f"blur_prob must be in [0, 1] and 0 < blur_sigma[0] <= blur_sigma[1]; got {blur_prob}, "
+                f"{tuple(blur_sigma)}"
+            )
+        settings = replace(
+            settings,
+            translate=translate,
+            rotation=rotation,
+            erase_prob=erase_prob,
+            blur_prob=(float(blur_prob),) * 2,
+            blur_sigma=tuple(float(v) * 224 / image_size for v in blur_sigma),  # ViewSettings: pixels at 224
         )
         super().__init__(settings, image_size=image_size, **kwargs)
         self.data_dir, self.download = data_dir, download

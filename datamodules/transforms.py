@@ -81,6 +81,9 @@ class ViewSettings:
     local_views: int = 0  # multi-crop: this many small views more (SwAV: 6 of 96 px at 224, scale 0.05-0.14)
     local_size: int = 0
     local_scale: Tuple[float, float] = (0.05, 0.14)
+    translate: int = 0  # tensor path only: random translation (pixels), rotation (degrees), random erasing
+    rotation: float = 0.0
+    erase_prob: float = 0.0
 
     def with_local_views(
         self, n: int, size: Optional[int] = None, scale: Sequence[float] = (0.05, 0.14)
@@ -116,7 +119,18 @@ class ViewSettings:
             local_views=self.local_views if n_views == 2 else 0,
             local_size=self.local_size,
             local_scale=self.local_scale,
+            translate=self.translate,
+            rotation=self.rotation,
+            erase_prob=self.erase_prob,
         )
+
+    def tensor_path_only(self, where: str) -> None:
+        """Refuses the tensor-path-only augmentations where ``where`` (a PIL or worker path) cannot apply them."""
+        if self.translate or self.rotation or self.erase_prob:
+            raise ConfigError(
+                f"translate={self.translate}, rotation={self.rotation}, erase_prob={self.erase_prob}: these views are "
+                f"drawn on the tensor path (in-memory datamodules), not by {where}; set them to 0 here"
+            )
 
     def colour_views(self, mean: Sequence[float], std: Sequence[float]) -> "PerViewColour":
         """The non-geometric part (flip, jitter, gray, blur, solarize, normalise) per view, for views
@@ -126,6 +140,7 @@ class ViewSettings:
     # --- the PIL path ---------------------------------------------------------------------
     def pil_views(self, mean: Sequence[float], std: Sequence[float]) -> Callable:
         """A lightly transform: PIL image -> list of two normalised tensors (C, size, size)."""
+        self.tensor_path_only("the PIL path")
         from lightly.transforms import BYOLView1Transform, BYOLView2Transform, MoCoV1Transform, MoCoV2Transform
         from lightly.transforms.multi_view_transform import MultiViewTransform
 
@@ -367,6 +382,7 @@ class PerViewColour(nn.Module):
 
     def __init__(self, settings: ViewSettings, mean: Sequence[float], std: Sequence[float]) -> None:
         super().__init__()
+        settings.tensor_path_only("the image folder's worker crops")
 
         def colour(size: int, blur: float, solarize: float) -> BatchViews:
             return BatchViews(

@@ -130,6 +130,11 @@ class Pretraining(LightningModule):
                 "rank must take the same optimizer steps (Lightning does not support skipping a batch under DDP); "
                 "use on_nan='raise'"
             )
+        if stage == "fit" and str(self.trainer.precision) in ("64-true", "64", "transformer-engine"):
+            raise ConfigError(
+                f"{type(self).__name__}: trainer.precision={self.trainer.precision!r} is not supported (the "
+                "similarities, queue and losses are computed in fp32); use 32-true or bf16-mixed"
+            )
         if stage == "fit" and self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
         if stage == "fit" and self.hparams.compile and not getattr(self, "_compiled", False):
@@ -208,8 +213,39 @@ class Pretraining(LightningModule):
             )
         return views
 
+    def batch_views(self, batch: Any) -> tuple[list[Tensor], Optional[Tensor]]:
+        """``(views, index)`` of a training batch ``([view_1, view_2, *local_views], target[, index])``.
+
+        The views may also come stacked, one ``(N, V, C, H, W)`` tensor (``torch.stack([v1, v2])`` per item: a common
+        dataset format), taken as V views; anything else is an error saying what a batch must look like (unpacking
+        a stacked tensor along the batch dimension would train on garbage without a word)."""
+        views = batch[0] if isinstance(batch, (list, tuple)) and batch else None
+        if isinstance(views, Tensor) and views.ndim == 5:
+            views = list(views.unbind(1))
+        if not (isinstance(views, (list, tuple)) and len(views) >= 2 and all(isinstance(v, Tensor) for v in views)):
+            raise ConfigError(
+                f"{type(self).__name__}: a training batch must be ([view_1, view_2, ...], target[, index]): a list of "
+                "two or more (N, C, H, W) view tensors, or one (N, V, C, H, W) tensor of stacked views; got "
+                f"{describe_batch(batch)}. Use a two-view transform (lightly's MoCoV2Transform, or a moco_lightning "
+                "datamodule)"
+            )
+        shapes = {tuple(v.shape[:2]) for v in views[:2]}
+        if len(shapes) != 1 or views[0].ndim != 4:
+            raise ConfigError(
+                f"{type(self).__name__}: the two global views must be (N, C, H, W) tensors of the same N and C; got "
+                f"{describe_batch(batch)}"
+            )
+        channels = self.hparams.get("in_channels")
+        if isinstance(self.hparams.get("backbone"), str) and channels and views[0].shape[1] != channels:
+            raise ConfigError(
+                f"{type(self).__name__}: model.in_channels={channels}, but the views have {views[0].shape[1]} "
+                f"channel(s) ({describe_batch(batch)}): set model.in_channels {views[0].shape[1]}"
+            )
+        index = batch[2] if len(batch) > 2 and isinstance(batch[2], Tensor) else None
+        return list(views), index
+
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        out = self.views_loss(batch[0])
+        out = self.views_loss(self.batch_views(batch)[0])
         if not self.loss_is_usable(out["loss"], batch_idx):
             return None
         self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
@@ -217,8 +253,8 @@ class Pretraining(LightningModule):
         return out
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if isinstance(batch[0], (list, tuple)):  # not an evaluation batch (image, target)
-            self.log("val/loss", self.views_loss(batch[0][:2])["loss"], prog_bar=True, sync_dist=True)
+        if is_views_batch(batch):  # not an evaluation batch (image, target)
+            self.log("val/loss", self.views_loss(self.batch_views(batch)[0][:2])["loss"], prog_bar=True, sync_dist=True)
 
     # --- non-finite losses: decided by all ranks together, read one step late ------------------
     def loss_is_usable(self, loss: Tensor, batch_idx: int) -> bool:
@@ -366,3 +402,25 @@ class Pretraining(LightningModule):
         ckpt.check_format(meta, type(self).__name__)
         ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, self.STRUCTURAL, type(self).__name__)
         self._rng_to_restore = ckpt.this_ranks_rng_states(meta)
+
+
+def is_views_batch(batch: Any) -> bool:
+    """A batch of views (a list of view tensors, or stacked (N, V, C, H, W)) rather than an evaluation batch."""
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else None
+    return isinstance(first, (list, tuple)) or (isinstance(first, Tensor) and first.ndim == 5)
+
+
+def describe_batch(batch: Any) -> str:
+    """What a batch is, for error messages: its structure with tensor shapes."""
+
+    def one(x: Any, depth: int = 0) -> str:
+        if isinstance(x, Tensor):
+            return f"Tensor{tuple(x.shape)}"
+        if isinstance(x, dict):
+            return "dict with keys " + str(list(x)[:5])
+        if isinstance(x, (list, tuple)) and depth < 2:
+            inner = ", ".join(one(v, depth + 1) for v in x[:4]) + (", ..." if len(x) > 4 else "")
+            return f"{type(x).__name__}[{inner}]"
+        return type(x).__name__
+
+    return one(batch)

@@ -60,11 +60,20 @@ class MoCoCLI(LightningCLI):
         if sub and sub in self.config:
             if self.config[sub].get("ckpt_path") == "last":
                 self.config[sub]["ckpt_path"] = resolve_last_checkpoint(self.config[sub])
-            if self.config[sub].get("ckpt_path"):  # Lightning now replaces the model's settings by the checkpoint's
+            path = self.config[sub].get("ckpt_path")
+            if path:  # Lightning now replaces the model's settings by the checkpoint's
                 self._given_model = _plain(self.config[sub]["model"])
+                check_checkpoint_class(read_checkpoint(path), path, self._given_model, self.model_class)
 
     def before_instantiate_classes(self) -> None:
         sub = self.subcommand
+        for key in ("optimizer", "lr_scheduler"):
+            if sub and self.config[sub].get(key) is not None:
+                raise ConfigError(
+                    f"--{key} replaces the module's own optimizer and schedule (the lr given per 256 images and scaled "
+                    "by the global batch, the key encoder kept out of it, LARS, warm-up): set model.optimizer, "
+                    "model.lr, model.weight_decay, model.lr_schedule, model.warmup_epochs instead"
+                )
         if sub is None or self._given_model is None:
             return
         saved, given = _init_args(_plain(self.config[sub]["model"])), _init_args(self._given_model)
@@ -101,8 +110,39 @@ class MoCoCLI(LightningCLI):
                 f"Skipped {len(skipped)} unreadable image(s) (skip_bad_images): {', '.join(skipped[:5])}"
                 + (", ..." if len(skipped) > 5 else "")
             )
-        if metrics and log_dir:
+        if metrics and log_dir and self.trainer.logger is not None:
             print(f"TensorBoard: tensorboard --logdir {log_dir}")
+
+
+def read_checkpoint(path: str) -> dict:
+    """The checkpoint at ``path``, or a one-line error naming the file (missing, empty, truncated, not a checkpoint)."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--ckpt_path {path}: no such file; give a .ckpt written by `moco-lightning fit` or 'last'")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - torch.load's errors for a torn file are EOFError, RuntimeError, KeyError...
+        raise ConfigError(
+            f"--ckpt_path {path}: not a readable checkpoint ({os.path.getsize(path)} bytes; {type(e).__name__}: "
+            f"{str(e)[:80] or 'truncated'}): a save interrupted by a kill or a full disk leaves such a file; resume "
+            "from an earlier checkpoint of the run"
+        ) from None
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ConfigError(f"--ckpt_path {path}: not a Lightning checkpoint (no state_dict): an exported backbone?")
+    return ckpt
+
+
+def check_checkpoint_class(ckpt: dict, path: str, model: Any, default: type) -> None:
+    """A checkpoint of another method (SimCLR into a MoCo run) is an error naming both classes, not a silent switch."""
+    saved = (ckpt.get("hyper_parameters") or {}).get("_class_path")
+    configured = model.get("class_path") if isinstance(model, dict) else None
+    configured = configured or f"{default.__module__}.{default.__qualname__}"
+    if saved and saved.rsplit(".", 1)[-1] != configured.rsplit(".", 1)[-1]:
+        raise ConfigError(
+            f"--ckpt_path {path}: the checkpoint is a {saved} run, the config trains {configured}; resume it with "
+            "its own config (or model.class_path), or drop --ckpt_path to start a new run"
+        )
 
 
 def resolve_last_checkpoint(config: Any) -> Optional[str]:
@@ -118,8 +158,8 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
         if str(_get(cb, "class_path") or "").endswith("ModelCheckpoint")
     ]
     found = [p for d in dirpaths if d for p in Path(d).glob("last*.ckpt")]
-    if found:
-        return str(max(found, key=lambda p: p.stat().st_mtime))
+    if found and newest_readable(found) is not None:
+        return str(newest_readable(found))
     logger = trainer.get("logger")
     first = logger[0] if isinstance(logger, list) and logger else logger
     root = trainer.get("default_root_dir") or os.getcwd()
@@ -140,7 +180,15 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
             flush=True,
         )
         return None
-    newest = max(found, key=lambda p: p.stat().st_mtime)
+    newest = newest_readable(found)
+    if newest is None:
+        print(
+            f"moco-lightning: --ckpt_path last: no readable checkpoint under {base} ({len(found)} torn or empty): "
+            "starting a new run",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     version = newest.parent.parent.name
     if version.startswith("version_") and first not in (None, True, False):
         v = version[len("version_") :]
@@ -155,6 +203,32 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
         )
     print(f"moco-lightning: --ckpt_path last: resuming {newest}", file=sys.stderr, flush=True)
     return str(newest)
+
+
+def newest_readable(paths: list) -> Optional[Path]:
+    """The newest of ``paths`` that loads, falling back past torn ones (and to the run's other checkpoints) with one
+    line naming both; None when none loads."""
+    import torch
+
+    candidates = set(paths)
+    for p in paths:  # the run's other checkpoints (ModelCheckpoint's top-k, step saves) are fallbacks too
+        candidates.update(Path(p).parent.glob("*.ckpt"))
+    ordered = sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True)
+    newest = max(paths, key=lambda p: p.stat().st_mtime)
+    for p in ordered:
+        try:
+            torch.load(p, map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - any failure to load is a torn file here
+            continue
+        if Path(p) != Path(newest):
+            print(
+                f"moco-lightning: --ckpt_path last: {newest} is not readable (torn or empty); resuming {p}, the newest "
+                "readable checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+        return Path(p)
+    return None
 
 
 def _init_args(model: dict) -> dict:
@@ -224,7 +298,8 @@ def run_cli(
             cause = cause.__cause__ or cause.__context__
         if cause is None or os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
-        prog = "moco-lightning" if default_model is MoCo else f"python -m {model_class.__module__}"
+        module = "moco_lightning.linear_eval" if model_class.__module__ == "__main__" else model_class.__module__
+        prog = "moco-lightning" if default_model is MoCo else f"python -m {module}"
         sys.stderr.write(f"{prog}: error: {cause}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
         sys.exit(2)
 

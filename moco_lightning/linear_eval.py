@@ -9,11 +9,19 @@ validation images the evaluation transform (the datamodules' ``pretrain=False`` 
 
     python -m moco_lightning.linear_eval fit --config configs/linear_eval.yaml \\
         --model.ckpt_path runs/quickstart/version_0/checkpoints/last.ckpt
+
+Low-label evaluation (SimCLR, Chen et al. 2020, §B.5 and Table 7: 1 % and 10 % of the labels): ``label_fraction``
+(of each class) or ``labels_per_class`` restricts the training split to a seeded, class-stratified subset (its
+indices are written to ``labelled_indices.txt`` in the run's folder and into every checkpoint); ``finetune: true``
+trains the backbone too (its own ``backbone_lr``, BatchNorm in train mode, the datamodule's supervised views);
+``from_scratch: true`` trains the same architecture from a random initialisation with the same recipe, the baseline a
+pretrained encoder has to beat (``configs/low_label.yaml`` has the three side by side).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Any, Iterator, Literal, Optional, Sequence, Union
 
@@ -26,7 +34,35 @@ from torchmetrics.classification import MulticlassAccuracy
 from .backbones import build_backbone
 from .errors import ConfigError, DataNotFoundError
 
-__all__ = ["LinearClassifier", "load_backbone_weights", "main"]
+__all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main"]
+
+
+def check_label_subset(fraction: Optional[float], per_class: Optional[int]) -> None:
+    if (fraction is None) == (per_class is None):
+        raise ConfigError("give exactly one of label_fraction (in (0, 1]) and labels_per_class (>= 1)")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ConfigError(f"label_fraction={fraction} is not allowed; label_fraction must be in (0, 1]")
+    if per_class is not None and per_class < 1:
+        raise ConfigError(f"labels_per_class={per_class} is not allowed; labels_per_class must be >= 1")
+
+
+def balanced_subset(
+    targets: Tensor, fraction: Optional[float] = None, per_class: Optional[int] = None, seed: int = 0
+) -> Tensor:
+    """Sorted indices of a seeded, class-stratified subset of ``targets`` (the semi-supervised protocol of SimCLR,
+    Chen et al. 2020, §B.5: 1 % or 10 % of the labels, drawn per class): ``per_class`` images of every class, or
+    ``fraction`` of each class (at least one). Targets < 0 (unlabelled) are never drawn."""
+    check_label_subset(fraction, per_class)
+    targets = torch.as_tensor(targets).long()
+    g = torch.Generator().manual_seed(seed)
+    chosen = []
+    for c in torch.unique(targets[targets >= 0]).tolist():
+        idx = (targets == c).nonzero().flatten()
+        n = per_class if per_class is not None else max(1, round(fraction * len(idx)))
+        if n > len(idx):
+            raise ConfigError(f"labels_per_class={per_class}, but class {c} has only {len(idx)} training images")
+        chosen.append(idx[torch.randperm(len(idx), generator=g)[:n]])
+    return torch.cat(chosen).sort().values if chosen else torch.zeros(0, dtype=torch.long)
 
 
 def _read_checkpoint(path: str) -> Any:
@@ -87,7 +123,17 @@ class LinearClassifier(LightningModule):
         num_classes: None: ``trainer.datamodule.num_classes`` (read in ``setup``).
         lr, momentum, weight_decay: SGD (the protocol: 30, 0.9, 0).
         schedule: ``"step"`` (×0.1 at each of ``milestones`` epochs: 60 and 80) or ``"cosine"``
-            (to 0 over ``trainer.max_epochs``).
+            (to 0 over the run's optimizer steps, ``max_epochs`` or ``max_steps``; updated every step).
+
+    Low labels and fine-tuning:
+
+        label_fraction / labels_per_class: train on this fraction of each class / this many images per class of the
+            datamodule's training split (seeded by ``label_seed``; the datamodule must offer ``train_targets()`` and
+            ``select_train(indices)``, as every in-memory datamodule of this library does).
+        finetune: train the backbone too, BatchNorm in train mode, at ``backbone_lr`` (None: ``lr``); the head at
+            ``lr``; SGD with ``momentum`` and ``weight_decay`` for both.
+        from_scratch: the same architecture (from the checkpoint's hyper-parameters, or ``backbone``), randomly
+            initialised, fine-tuned (implies ``finetune``): the supervised baseline.
 
     Batches are ``(image, target[, index])``. Logs ``train/loss``, ``train/acc1``, ``val/loss``,
     ``val/acc1``, ``val/acc5`` (fractions in [0, 1]). Lightning's "Found N module(s) in eval mode at
@@ -113,8 +159,18 @@ class LinearClassifier(LightningModule):
         in_channels: int = 3,
         image_size: int = 224,
         width: float = 1.0,
+        label_fraction: Optional[float] = None,
+        labels_per_class: Optional[int] = None,
+        label_seed: int = 0,
+        finetune: bool = False,
+        backbone_lr: Optional[float] = None,
+        from_scratch: bool = False,
     ) -> None:
         super().__init__()
+        if label_fraction is not None or labels_per_class is not None:
+            check_label_subset(label_fraction, labels_per_class)
+        if backbone_lr is not None and backbone_lr <= 0:
+            raise ConfigError(f"backbone_lr={backbone_lr} is not allowed; backbone_lr must be > 0 (or None: lr)")
         if schedule not in ("step", "cosine"):
             raise ConfigError(f"schedule={schedule!r}: use 'step' (the paper's) or 'cosine'")
         if lr <= 0 or weight_decay < 0 or not 0 <= momentum < 1:
@@ -124,21 +180,24 @@ class LinearClassifier(LightningModule):
         if ckpt_path is not None and backbone_state_dict is not None:
             raise ConfigError("give either ckpt_path or backbone_state_dict, not both")
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
+        self.finetune = bool(finetune or from_scratch)
         if backbone is None:
             if ckpt_path is None:
                 raise ConfigError("LinearClassifier needs a backbone: pass ckpt_path (a MoCo checkpoint) or backbone")
-            self.backbone, dim = self._from_moco_checkpoint(ckpt_path)
+            build = self._architecture_of_checkpoint if from_scratch else self._from_moco_checkpoint
+            self.backbone, dim = build(ckpt_path)
         else:
             if isinstance(backbone, nn.Module) and feature_dim is not None:
                 self.backbone, dim = backbone, feature_dim
             else:
                 self.backbone, dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
             weights = ckpt_path if ckpt_path is not None else backbone_state_dict
-            if weights is not None:
+            if weights is not None and not from_scratch:
                 load_backbone_weights(self.backbone, weights)
         self.feature_dim = int(feature_dim if feature_dim is not None else dim)
-        self.backbone.requires_grad_(False)
-        self.backbone.eval()
+        self.backbone.requires_grad_(self.finetune)
+        self.backbone.train(self.finetune)
+        self.labelled_indices: Optional[Tensor] = None
         self.head: Optional[nn.Linear] = None
         if num_classes is not None:
             self._build_head(num_classes)
@@ -159,6 +218,18 @@ class LinearClassifier(LightningModule):
             ) from e
         return moco.backbone, moco.feature_dim
 
+    @staticmethod
+    def _architecture_of_checkpoint(path: str) -> tuple[nn.Module, int]:
+        """The backbone a MoCo checkpoint was pretrained with, rebuilt from its hyper-parameters, random weights."""
+        hp = _read_checkpoint(path).get("hyper_parameters", {}) if path else {}
+        if not isinstance(hp.get("backbone"), str):
+            raise ConfigError(
+                f"{path}: from_scratch rebuilds the backbone from the checkpoint's hyper-parameters, but it names "
+                "none (a backbone module of your own): pass that module as `backbone` instead"
+            )
+        args = {k: hp[k] for k in ("cifar_stem", "in_channels", "image_size", "width") if k in hp}
+        return build_backbone(hp["backbone"], **args)
+
     def _build_head(self, num_classes: int) -> None:
         self.hparams.num_classes = int(num_classes)  # so a checkpoint of this module rebuilds the head
         self.head = nn.Linear(self.feature_dim, num_classes)
@@ -170,28 +241,53 @@ class LinearClassifier(LightningModule):
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
 
     def setup(self, stage: str) -> None:
+        hp = self.hparams
+        if stage == "fit" and (hp.label_fraction is not None or hp.labels_per_class is not None):
+            self._select_labels()
         if self.head is None:
             n = getattr(getattr(self.trainer, "datamodule", None), "num_classes", None)
             if n is None:
                 raise ConfigError("LinearClassifier: pass num_classes or use a datamodule with a num_classes attribute")
             self._build_head(n)
 
+    def _select_labels(self) -> None:
+        """Restricts the datamodule's training split to the seeded, class-stratified label subset (once per fit)."""
+        hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
+        if not (hasattr(dm, "train_targets") and hasattr(dm, "select_train")):
+            raise ConfigError(
+                f"LinearClassifier: label_fraction/labels_per_class need a datamodule with train_targets() and "
+                f"select_train(indices) (every in-memory datamodule of moco_lightning); {type(dm).__name__} has not"
+            )
+        targets = dm.train_targets()
+        self.labelled_indices = balanced_subset(targets, hp.label_fraction, hp.labels_per_class, hp.label_seed)
+        dm.select_train(self.labelled_indices)
+        log_dir = getattr(self.trainer, "log_dir", None)
+        if log_dir and self.trainer.is_global_zero:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(os.path.join(log_dir, "labelled_indices.txt"), "w") as f:
+                f.write("\n".join(str(i) for i in self.labelled_indices.tolist()) + "\n")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.labelled_indices is not None:
+            checkpoint["labelled_indices"] = self.labelled_indices.clone()
+
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --
     def train(self, mode: bool = True) -> "LinearClassifier":
         super().train(mode)
         backbone = getattr(self, "backbone", None)
-        if backbone is not None:
+        if backbone is not None and not getattr(self, "finetune", False):
             backbone.eval()
         return self
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Lightning restores the modes it captured after each validation by setting `.training` directly
         # (not through train()); a user hook may call train(): enforce eval mode on every batch.
-        self.backbone.eval()
+        if not self.finetune:
+            self.backbone.eval()
 
     def forward(self, x: Tensor) -> Tensor:
         """Class logits."""
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.finetune and torch.is_grad_enabled()):
             features = self.backbone(x)
         return self.head(features.flatten(1).float())
 
@@ -219,14 +315,16 @@ class LinearClassifier(LightningModule):
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        optimizer = torch.optim.SGD(
-            self.head.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
-        )
+        groups = [{"params": list(self.head.parameters()), "lr": hp.lr}]
+        if self.finetune:
+            groups.append({"params": list(self.backbone.parameters()), "lr": hp.backbone_lr or hp.lr})
+        optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         if hp.schedule == "cosine":
-            epochs = self.trainer.max_epochs
-            if epochs is None or epochs < 1:
-                raise ConfigError("schedule='cosine' needs trainer.max_epochs")
-            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+            total = self.trainer.estimated_stepping_batches
+            if not math.isfinite(total) or total < 1:
+                raise ConfigError("schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=int(total))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
         else:
             scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp.milestones), gamma=0.1)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}

@@ -26,7 +26,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .base import Pretraining
+from .base import Pretraining, is_views_batch
 from .distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
 from .errors import check_arguments
 from .heads import projection_head
@@ -202,8 +202,7 @@ class MoCo(Pretraining):
         return super().configure_optimizers()
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        x_q, x_k, *local_views = batch[0]
-        index = batch[2] if len(batch) > 2 else None
+        (x_q, x_k, *local_views), index = self.batch_views(batch)
         out = self.contrast(x_q, x_k, index, local_views)
         if not self.loss_is_usable(out["loss"], batch_idx):
             return None
@@ -242,8 +241,8 @@ class MoCo(Pretraining):
 
     # --- validation: never stores keys, never moves the key encoder ---------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if isinstance(batch[0], (list, tuple)):  # not an evaluation batch (image, target)
-            out = self.contrast(*batch[0][:2])
+        if is_views_batch(batch):  # not an evaluation batch (image, target)
+            out = self.contrast(*self.batch_views(batch)[0][:2])
             self.log_contrastive(
                 "val", out["loss"], out["sims"], out["labels"], on_step=False, on_epoch=True, sync_dist=True
             )

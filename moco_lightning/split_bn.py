@@ -149,3 +149,9 @@ def check_bn_splits(bn_splits: int, per_device: int) -> None:
             f"loader's batch_size, data.batch_size): split BatchNorm needs equal sub-batches; set model.bn_splits to "
             f"a divisor of {per_device}, or data.batch_size to a multiple of {bn_splits}"
         )
+    if per_device // bn_splits < 2:
+        raise ConfigError(
+            f"MoCo: bn_splits={bn_splits} splits the per-device batch of {per_device} images into sub-batches of "
+            f"{per_device // bn_splits}: BatchNorm needs at least 2 images per sub-batch; set model.bn_splits to at "
+            f"most {max(1, per_device // 2)} or raise data.batch_size"
+        )

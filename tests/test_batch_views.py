@@ -264,3 +264,82 @@ def test_in_memory_datamodule_makes_views_on_the_batch_device():
     images = torch.zeros(8, 1, 28, 28, dtype=torch.uint8, device="meta")
     (v1, v2), _, _ = dm.on_after_batch_transfer((images, torch.zeros(8), torch.arange(8)), 0)
     assert v1.device.type == v2.device.type == "meta"
+
+
+# --- the views that make a small centred image's pretext task hard: translation, rotation, erasing ----------
+def plain(**kwargs):
+    """No crop, flip or colour: only what a test switches on; normalised with mean 0, std 1 (values stay [0, 1])."""
+    args = dict(min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, mean=(0.0,), std=(1.0,), n_views=1)
+    return BatchViews(8, **{**args, **kwargs})
+
+
+def test_translation_shifts_by_whole_pixels_and_fills_with_zeros():
+    """Pad-and-crop: every view is the image shifted by an integer (dx, dy) in [-2, 2], zeros shifted in."""
+    x = torch.rand(64, 1, 8, 8) * 0.9 + 0.1  # no zero pixel of its own
+    (v,) = plain(translate=2)(x, torch.Generator().manual_seed(0))
+    shifts = set()
+    for img, out in zip(x, v):
+        found = [
+            (dx, dy)
+            for dx in range(-2, 3)
+            for dy in range(-2, 3)
+            if torch.allclose(out, shifted(img, dx, dy), atol=1e-5)
+        ]
+        assert len(found) == 1, "not a whole-pixel shift"
+        shifts.add(found[0])
+    assert len(shifts) > 10  # the shifts vary per image, both signs, both axes
+    assert {dx for dx, _ in shifts} == {-2, -1, 0, 1, 2} and {dy for _, dy in shifts} == {-2, -1, 0, 1, 2}
+
+
+def shifted(img, dx, dy):
+    out = torch.zeros_like(img)
+    h, w = img.shape[-2:]
+    ys, yd = (slice(0, h - dy), slice(dy, h)) if dy >= 0 else (slice(-dy, h), slice(0, h + dy))
+    xs, xd = (slice(0, w - dx), slice(dx, w)) if dx >= 0 else (slice(-dx, w), slice(0, w + dx))
+    out[..., yd, xd] = img[..., ys, xs]
+    return out
+
+
+def test_rotation_stays_within_its_angle_and_keeps_the_centre():
+    """A rotation about the centre: a centred disc is unchanged, a bar along x turns by at most the angle."""
+    yy, xx = torch.meshgrid(torch.arange(32.0) - 15.5, torch.arange(32.0) - 15.5, indexing="ij")
+    bar = ((yy.abs() < 1.5) & (xx.abs() < 12)).float()[None, None].repeat(200, 1, 1, 1)
+    big = dict(min_scale=1.0, hflip_prob=0.0, jitter_prob=0.0, gray_prob=0.0, mean=(0.0,), std=(1.0,), n_views=1)
+    (v,) = BatchViews(32, rotation=20.0, **big)(bar, torch.Generator().manual_seed(0))
+    w = v[:, 0].clamp(min=0)
+    # the bar's angle from its second moments
+    mxx, myy, mxy = (w * xx**2).sum((1, 2)), (w * yy**2).sum((1, 2)), (w * xx * yy).sum((1, 2))
+    angle = torch.rad2deg(0.5 * torch.atan2(2 * mxy, mxx - myy)).abs()
+    assert angle.max() <= 20.5 and angle.max() > 15 and angle.min() < 3  # uniform in [-20, 20] degrees
+    disc = ((xx**2 + yy**2) < 25).float()[None, None]
+    (d,) = BatchViews(32, rotation=45.0, **big)(disc, torch.Generator().manual_seed(1))
+    r2 = xx**2 + yy**2
+    assert (d[0, 0][r2 < 16] > 0.99).all() and (d[0, 0][r2 > 49] < 0.01).all()  # only the rim is resampled
+    assert (d[0, 0] - disc[0, 0]).abs().mean() < 0.02
+
+
+def test_random_erasing_fills_one_rectangle_with_the_mean_at_its_probability():
+    x = torch.full((400, 1, 8, 8), 0.9)
+    (v,) = plain(erase_prob=0.5, mean=(0.3,), std=(0.5,))(x, torch.Generator().manual_seed(0))
+    erased = (v - (0.9 - 0.3) / 0.5).abs() > 1e-5  # pixels no longer the image's value
+    any_erased = erased.flatten(1).any(1)
+    assert 0.4 < any_erased.float().mean() < 0.6  # erase_prob
+    assert torch.allclose(v[erased], torch.zeros(()))  # the mean: 0 after normalisation
+    for mask in erased[any_erased][:50, 0]:  # one axis-aligned rectangle
+        rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+        assert mask[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1].all()
+        assert mask.sum() == len(rows) * len(cols)
+    area = erased.flatten(1).sum(1)[any_erased].float() / 64
+    assert area.min() >= 1 / 64 and area.max() <= 0.5
+
+
+def test_the_hard_views_are_refused_where_they_cannot_be_drawn():
+    from moco_lightning.datamodules.transforms import view_settings
+
+    settings = view_settings("moco_v2", 32)
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="translate=3.*tensor path.*not by the PIL path"):
+        replace(settings, translate=3).pil_views((0.5,), (0.5,))
+    with pytest.raises(ValueError, match="translate and rotation must be >= 0"):
+        BatchViews(8, rotation=-1.0)

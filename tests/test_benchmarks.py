@@ -30,8 +30,8 @@ def test_gpu_check_runs_on_the_cpu():
 def test_quality_compares_configs_and_the_reference(tmp_path):
     out = run(
         "quality.py",
-        "--minutes",
-        "0.03",
+        "--qe",
+        "0.07",
         "--systems",
         "fashion_mnist_moco_v2",
         "reference",
@@ -57,6 +57,8 @@ def test_quality_compares_configs_and_the_reference(tmp_path):
         str(tmp_path / "q.png"),
     )
     assert "raw pixels (normalised)" in out and "fashion_mnist_moco_v2" in out and "reference" in out
+    qe = float(out.split("1 QE = ")[1].split(" s")[0])  # the budget unit, timed in the same run
+    assert qe > 0 and "1 %-label linear %" in out
     assert out.count("re-plan at step") == 2  # both systems re-planned from their own speed
     assert (tmp_path / "q.png").is_file() and "final" in (tmp_path / "q.csv").read_text()
 
@@ -190,3 +192,27 @@ def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
     assert [int(r[2]) for r in simclr] == [64, 128] and all(float(r[5]) > 0 for r in simclr)  # 2N - 2 negatives
     assert (tmp_path / "m_memory.png").is_file() and (tmp_path / "m.png").is_file()
     assert "BYOL's hardware need is medium" in out and "accuracy is roughly the same" in out
+
+
+def test_low_label_compares_linear_fine_tuned_scratch_and_pixels(tmp_path):
+    import torch
+    from lightning.pytorch import Trainer
+
+    from moco_lightning import MoCo
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    torch.manual_seed(0)
+    moco = MoCo(backbone="resnet18", width=0.125, in_channels=1, image_size=28, queue_size=64, hidden_dim=16, dim=8)
+    t = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    t.fit(moco, FashionMNISTDataModule(batch_size=32, train_subset=64, val_subset=32))
+    t.save_checkpoint(tmp_path / "moco.ckpt")
+    out = run(
+        "low_label.py",
+        *("--ckpt", str(tmp_path / "moco.ckpt"), "--names", "tiny", "--fractions", "0.01", "--steps", "3"),
+        *("--train-subset", "6400", "--eval-subset", "300", "--threads", "1"),
+    )
+    row = next(line for line in out.splitlines() if line.strip().startswith("tiny ") and "|" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[1] == "1 % (64)" and cells[-1] == "3"  # 1 % of each class of 6400 images, 3 fine-tune steps
+    linear, pixels = float(cells[2]), float(cells[3])
+    assert 10 < pixels <= 100 and 0 <= linear <= 100  # real accuracies in percent

@@ -1,4 +1,5 @@
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,63 @@ def test_bad_settings_end_with_one_error_line_not_a_traceback(tmp_path):
     )
     assert export.returncode == 2 and "Traceback" not in export.stderr
     assert "notes.txt is not a checkpoint: torch.load cannot read it" in export.stderr
+
+
+def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path, monkeypatch, capsys):
+    """A kill during a save (no atomic rename), a full disk, a truncated copy: ``last`` resumes the newest readable
+    checkpoint naming both; an explicit path to a bad file is one line naming it, exit code 2."""
+    import torch
+
+    from moco_lightning import MoCo, Pretraining
+    from moco_lightning.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 3"))
+    run_cli(Pretraining, ["fit", "--config", "cfg.yaml"], default_model=MoCo)
+    folder = tmp_path / "runs/tiny/version_0/checkpoints"
+    last, good = folder / "last.ckpt", next(folder.glob("*step=3.ckpt"))
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2])  # torn
+    os.utime(last, (good.stat().st_mtime + 5,) * 2)
+    capsys.readouterr()
+    cli = run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "4"],
+                  default_model=MoCo)  # fmt: skip
+    err = capsys.readouterr().err
+    assert "last.ckpt is not readable (torn or empty); resuming" in err and good.name in err
+    assert cli.trainer.global_step == 4
+    bad = tmp_path / "bad.ckpt"
+    for content in (b"", b"not a checkpoint at all", data[:1000]):
+        bad.write_bytes(content)
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", str(bad)], default_model=MoCo)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 2
+        assert f"--ckpt_path {bad}: not a readable checkpoint" in err
+    with pytest.raises(SystemExit):
+        run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "missing.ckpt"], default_model=MoCo)
+    assert "--ckpt_path missing.ckpt: no such file" in capsys.readouterr().err
+    # a checkpoint of another method: an error naming both classes (it used to switch the method silently)
+    ckpt = torch.load(good, weights_only=False)
+    ckpt["hyper_parameters"]["_class_path"] = "moco_lightning.SimCLR"
+    torch.save(ckpt, tmp_path / "simclr.ckpt")
+    with pytest.raises(SystemExit):
+        run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "simclr.ckpt"], default_model=MoCo)
+    err = capsys.readouterr().err
+    assert re.search(
+        r"the checkpoint is a moco_lightning.SimCLR run, the config trains moco_lightning[.\w]*\.MoCo;", err
+    )
+
+
+def test_optimizer_flags_are_refused_and_no_logger_prints_no_tensorboard_line(tmp_path, monkeypatch, capsys):
+    from moco_lightning import MoCo, Pretraining
+    from moco_lightning.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 1"))
+    with pytest.raises(SystemExit):
+        run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--optimizer", "torch.optim.Adam"], default_model=MoCo)
+    assert "--optimizer replaces the module's own optimizer" in capsys.readouterr().err
+    run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--trainer.logger=false", "--trainer.callbacks=[]"],
+            default_model=MoCo)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Final metrics:" in out and "TensorBoard" not in out

@@ -245,3 +245,137 @@ def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tm
     assert model.feature_dim == 256
     saved = torch.load(exported)
     assert all(torch.equal(v, saved[k]) for k, v in model.backbone.state_dict().items())
+
+
+# --- low labels, fine-tuning, from scratch --------------------------------------------------------------------
+def test_balanced_subset_is_class_stratified_seeded_and_checked():
+    from moco_lightning.linear_eval import balanced_subset
+
+    targets = torch.cat([torch.full((100,), 0), torch.full((50,), 1), torch.full((10,), 2), torch.full((5,), -1)])
+    idx = balanced_subset(targets, per_class=4, seed=0)
+    assert torch.bincount(targets[idx]).tolist() == [4, 4, 4] and idx.tolist() == sorted(idx.tolist())
+    assert torch.equal(idx, balanced_subset(targets, per_class=4, seed=0))
+    assert not torch.equal(idx, balanced_subset(targets, per_class=4, seed=1))
+    frac = balanced_subset(targets, fraction=0.1, seed=0)  # 10 % of each class, at least one, never an unlabelled -1
+    assert torch.bincount(targets[frac]).tolist() == [10, 5, 1] and (targets[frac] >= 0).all()
+    with pytest.raises(ValueError, match="class 2 has only 10"):
+        balanced_subset(targets, per_class=11)
+    with pytest.raises(ValueError, match="label_fraction=1.5"):
+        balanced_subset(targets, fraction=1.5)
+    with pytest.raises(ValueError, match="exactly one"):
+        balanced_subset(targets, fraction=0.1, per_class=3)
+
+
+def tiny_labelled_data(**kwargs):
+    from conftest import tiny_data
+
+    return tiny_data(**{"pretrain": False, "batch_size": 8, "train_subset": 200, "val_subset": 40, **kwargs})
+
+
+def test_label_fraction_trains_on_the_seeded_subset_and_saves_its_indices(seeded, tmp_path):
+    from lightning.pytorch import Trainer
+
+    from moco_lightning.linear_eval import balanced_subset
+
+    dm = tiny_labelled_data(batch_size=4)  # 20 labelled images: 5 whole batches
+    model = LinearClassifier(backbone=frozen_backbone_2d(), feature_dim=16, labels_per_class=2, label_seed=3, lr=0.1)
+    seen = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch[1].clone())
+
+    t = Trainer(
+        accelerator="cpu", max_epochs=1, default_root_dir=tmp_path, callbacks=[Record()], enable_progress_bar=False
+    )
+    t.fit(model, datamodule=dm)
+    full = tiny_labelled_data()
+    full.setup("fit")
+    expected = balanced_subset(full.train_targets(), per_class=2, seed=3)
+    assert torch.equal(model.labelled_indices, expected) and len(expected) == 20
+    assert sorted(torch.cat(seen).tolist()) == sorted(full.train_targets()[expected].tolist())  # 2 per class, only
+    written = (Path(t.log_dir) / "labelled_indices.txt").read_text().split()
+    assert [int(i) for i in written] == expected.tolist()
+    t.save_checkpoint(tmp_path / "probe.ckpt")
+    assert torch.equal(torch.load(tmp_path / "probe.ckpt", weights_only=False)["labelled_indices"], expected)
+
+
+def frozen_backbone_2d() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    )  # fmt: skip
+
+
+def test_finetune_trains_the_backbone_in_train_mode_at_its_own_lr(seeded):
+    from conftest import cpu_trainer
+
+    backbone = frozen_backbone_2d()
+    before = {k: v.clone() for k, v in backbone.state_dict().items()}
+    model = Recording(backbone=backbone, feature_dim=16, finetune=True, lr=0.1, backbone_lr=0.01, schedule="cosine")
+    t = cpu_trainer(max_steps=6, limit_val_batches=0)
+    t.fit(model, datamodule=tiny_labelled_data())
+    assert all(model.modes) and len(model.modes) == 6  # BatchNorm in train mode on every batch
+    after = model.backbone.state_dict()
+    assert not torch.equal(before["0.weight"], after["0.weight"])  # trained
+    assert not torch.equal(before["1.running_mean"], after["1.running_mean"])  # BN statistics of the new data
+    head, body = t.optimizers[0].param_groups
+    assert body["params"] == list(model.backbone.parameters()) and head["params"] == list(model.head.parameters())
+    assert head["initial_lr"] == 0.1 and body["initial_lr"] == 0.01
+    assert body["lr"] == pytest.approx(0.0, abs=1e-12)  # the per-step cosine over max_steps ends at 0
+
+
+def test_from_scratch_rebuilds_the_checkpoints_architecture_with_random_weights(seeded, tmp_path):
+    from moco_lightning import MoCo
+
+    from conftest import cpu_trainer, tiny_data
+
+    moco = MoCo(backbone="resnet18", width=0.25, in_channels=1, image_size=28, queue_size=16, hidden_dim=16, dim=8)
+    t = cpu_trainer(max_steps=1, limit_val_batches=0)
+    t.fit(moco, tiny_data())
+    t.save_checkpoint(tmp_path / "moco.ckpt")
+    pretrained = LinearClassifier(ckpt_path=str(tmp_path / "moco.ckpt"), num_classes=10, finetune=True)
+    scratch = LinearClassifier(ckpt_path=str(tmp_path / "moco.ckpt"), num_classes=10, from_scratch=True)
+    assert scratch.finetune and scratch.feature_dim == pretrained.feature_dim == 128
+    a, b = pretrained.backbone.state_dict(), scratch.backbone.state_dict()
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    assert torch.equal(a["conv1.weight"], moco.backbone.state_dict()["conv1.weight"])
+    assert not torch.equal(b["conv1.weight"], a["conv1.weight"])
+
+
+def test_low_label_config_fine_tunes_through_the_command_line(resnet_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["linear_eval"])
+    cli = main_cli(
+        resnet_checkpoint,
+        tmp_path,
+        Path(__file__).resolve().parents[1] / "configs" / "low_label.yaml",
+        "--trainer.max_steps=3",
+        "--model.labels_per_class=2",
+        "--model.label_fraction=null",
+        "--data.init_args.batch_size=8",
+        "--data.init_args.train_subset=200",
+        "--data.init_args.val_subset=16",
+    )
+    indices = (Path(cli.trainer.log_dir) / "labelled_indices.txt").read_text().split()
+    assert len(indices) == 20 and cli.trainer.global_step == 3 and cli.model.finetune
+
+
+def main_cli(path: Path, root: Path, config: Path, *extra: str):
+    from moco_lightning.cli import run_cli
+
+    return run_cli(
+        LinearClassifier,
+        [
+            "fit",
+            "--config",
+            str(config),
+            f"--model.ckpt_path={path}",
+            "--trainer.accelerator=cpu",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.logger.init_args.save_dir={root}",
+            f"--trainer.default_root_dir={root}",
+            *extra,
+        ],
+    )

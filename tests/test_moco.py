@@ -603,3 +603,85 @@ def test_compiled_encoders_give_the_eager_loss_and_the_momentum_update_moves_the
         assert not torch.equal(before["0.weight"], model.key_backbone.state_dict()["0.weight"])  # the EMA moved it
         assert model.queue.ptr.item() == 3 * 16 % 32
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+# --- what a user's own datamodule may hand over -----------------------------------------------------------------
+def test_stacked_views_are_taken_as_views_not_unpacked_along_the_batch(seeded):
+    """A dataset returning torch.stack([v1, v2]) gives (N, 2, C, H, W) batches: unpacking them along dim 0 used to
+    train on x_q = both views of image 0, x_k = image 1 and N − 2 "local views", with a finite loss."""
+    model = tiny_moco()
+    v1, v2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    views, index = model.batch_views((torch.stack([v1, v2], 1), torch.zeros(8), torch.arange(8)))
+    assert len(views) == 2 and torch.equal(views[0], v1) and torch.equal(views[1], v2) and index.tolist() == [*range(8)]
+
+    def train(stack):
+        seed_everything(0, verbose=False)
+        m = tiny_moco()
+        g = torch.Generator().manual_seed(0)
+        data = [(torch.randn(8, 1, 28, 28, generator=g), torch.randn(8, 1, 28, 28, generator=g)) for _ in range(3)]
+        batches = [((torch.stack([a, b], 1) if stack else [a, b]), torch.zeros(8, dtype=torch.long)) for a, b in data]
+        cpu_trainer(max_steps=3, limit_val_batches=0).fit(m, train_dataloaders=DataLoaderOf(batches))
+        return m
+
+    for a, b in zip(train(True).state_dict().values(), train(False).state_dict().values()):
+        assert torch.equal(a, b)
+
+
+class DataLoaderOf(torch.utils.data.DataLoader):
+    """Hands over ready-made batches, with a batch_size (the lr scaling reads it)."""
+
+    def __init__(self, batches):
+        super().__init__(batches, batch_size=None)
+        self._size = len(batches[0][1])
+
+    @property
+    def batch_size(self):
+        return self._size
+
+    @batch_size.setter
+    def batch_size(self, value):
+        pass
+
+
+@pytest.mark.parametrize(
+    "batch,shown",
+    [
+        ((torch.randn(8, 1, 28, 28), torch.zeros(8)), r"got tuple\[Tensor\(8, 1, 28, 28\), Tensor\(8,\)\]"),
+        ({"image": torch.randn(8, 1, 28, 28)}, r"got dict with keys \['image'\]"),
+        (([torch.randn(8, 1, 28, 28)], torch.zeros(8)), r"got tuple\[list\[Tensor\(8, 1, 28, 28\)\]"),
+        (([torch.randn(8, 1, 28, 28), torch.randn(6, 1, 28, 28)], torch.zeros(8)), "of the same N and C"),
+    ],
+)
+def test_a_wrong_batch_format_is_one_error_saying_what_a_batch_must_be(seeded, batch, shown):
+    model = tiny_moco()
+    with pytest.raises(ValueError, match=r"MoCo: .*" + shown):
+        model.training_step(batch, 0)
+    if not isinstance(batch, dict) and len(batch[0]) != 2:
+        with pytest.raises(ValueError, match=r"\(\[view_1, view_2, \.\.\.\], target\[, index\]\)"):
+            model.training_step(batch, 0)
+
+
+def test_linear_probe_on_unlabelled_batches_says_what_it_needs(seeded):
+    from moco_lightning.callbacks import LinearProbe
+
+    probe = LinearProbe()
+    probe.num_classes = 10
+    with pytest.raises(ValueError, match=r"LinearProbe trains on the training batches' labels.*got tuple\[list"):
+        probe.on_train_batch_end(None, tiny_moco(), {}, ([torch.randn(4, 1, 28, 28)] * 2,), 0)
+
+
+def test_small_setting_errors_name_the_field_and_the_value_given(seeded):
+    from moco_lightning.datamodules import FashionMNISTDataModule
+    from moco_lightning.split_bn import check_bn_splits
+
+    with pytest.raises(ValueError, match="sub-batches of 1: BatchNorm needs at least 2 images per sub-batch"):
+        check_bn_splits(8, 8)  # divides, but one image per sub-batch: "Expected more than 1 value per channel" later
+    with pytest.raises(ValueError, match="num_workers must be >= 0.*got -1"):
+        FashionMNISTDataModule(num_workers=-1)
+    with pytest.raises(ValueError, match=r"jitter_strength must be >= 0 \(0.4: MoCo's\), got -1"):
+        FashionMNISTDataModule(jitter_strength=-1)
+    with pytest.raises(ValueError, match="precision='64-true' is not supported"):
+        cpu_trainer(max_steps=1, precision="64-true").fit(tiny_moco(), tiny_data())
+    three = MoCo(backbone="resnet18", width=0.125, in_channels=3, image_size=28, queue_size=32, hidden_dim=16, dim=8)
+    with pytest.raises(ValueError, match=r"model.in_channels=3, but the views have 1 channel\(s\).*in_channels 1"):
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(three, tiny_data())
