@@ -239,12 +239,13 @@ def low_label_probe(
     bank_f: Tensor, bank_y: Tensor, q_f: Tensor, q_y: Tensor, fraction: float = LOW_LABEL_FRACTION, seed: int = 0
 ) -> float:
     """Top-1 of a linear classifier on frozen, standardised features of ``fraction`` of each class of the bank
-    (seeded, class-stratified: the library's ``balanced_subset``), ``LOW_LABEL_STEPS`` Adam steps of 256."""
+    (seeded, class-stratified: the library's ``balanced_subset``): Adam, batches of 256, at least ``LOW_LABEL_STEPS``
+    steps and 20 epochs (``fraction=1``: the full-label probe of :func:`evaluate`)."""
     from moco_lightning.callbacks import probe_accuracy
     from moco_lightning.linear_eval import balanced_subset
 
     idx = balanced_subset(bank_y, fraction=fraction, seed=seed)
-    epochs = max(1, LOW_LABEL_STEPS // -(-len(idx) // 256))
+    epochs = max(20, -(-LOW_LABEL_STEPS // -(-len(idx) // 256)))
     return probe_accuracy(bank_f[idx], bank_y[idx], q_f, q_y, 10, epochs=epochs, seed=seed)
 
 

@@ -8,7 +8,8 @@ For each label fraction (a seeded, class-stratified subset of the 60k training i
 ``balanced_subset``, the semi-supervised protocol of SimCLR §B.5), on the official 10k test split:
 
 - **linear, frozen**: a linear classifier on the encoder's frozen, standardised features of the labelled images
-  (``_common.low_label_probe``: Adam, 500 steps), and the same on the **raw pixels**;
+  (``_common.low_label_probe``: Adam, at least 500 steps and 20 epochs), and the same on the **raw pixels**;
+  ``--fractions 1.0`` adds the full-label linear probe (fine-tuning is then skipped);
 - **fine-tuned**: ``configs/low_label.yaml`` through the library's ``LinearClassifier(finetune=True)``: the
   pretrained backbone at ``backbone_lr`` 0.01, the head at 0.05, SGD momentum 0.9, wd 5e-4, cosine per step, batches
   of 64 with flips, BatchNorm in train mode;
@@ -120,6 +121,9 @@ def main(argv=None) -> None:
         px = low_label_probe(*pixels[0], *pixels[1], fraction=fraction, seed=args.seed)
         for name, ckpt in zip(names, args.ckpt):
             linear = low_label_probe(*encoders[name][0], *encoders[name][1], fraction=fraction, seed=args.seed)
+            if fraction >= 1:  # the full-label linear probe only
+                rows.append([name, f"100 % ({n})", f"{100 * linear:.2f}", f"{100 * px:.2f}", *["-"] * 5])
+                continue
             fine, fine_s = tune(ckpt, fraction, steps, False, args)
             if fraction not in scratch_done:  # one baseline per fraction: the architecture is the checkpoints'
                 scratch_done[fraction] = tune(ckpt, fraction, steps, True, args)

@@ -30,7 +30,10 @@ from torch import Tensor
 
 from moco_lightning.errors import ConfigError
 
+from .images import item_seed
 from .transforms import ViewSettings
+
+DALI_MODES = ("pretrain", "linear", "eval")  # a loader's mode, by index in its pipeline's seed
 
 
 def require_dali():
@@ -122,6 +125,11 @@ class DaliLoader:
             targets, idx = torch.from_numpy(self.targets[index]), torch.from_numpy(index.astype(np.int64))
             yield (views, targets, idx) if self.mode == "pretrain" else (views[0], targets, idx)
 
+    def pipeline_seed(self) -> int:
+        """This epoch's pipeline seed, from integers only: Python salts the hash of a string per process, so the
+        former ``hash((seed, epoch, rank, "pretrain"))`` gave every process (a resumed run) other views."""
+        return item_seed(self.seed, self.epoch, self.rank, DALI_MODES.index(self.mode)) & (2**31 - 1)
+
     def _pipeline(self, batches: List[np.ndarray]):
         from nvidia.dali import fn, pipeline_def, types
 
@@ -132,7 +140,7 @@ class DaliLoader:
                 raise StopIteration
             return [np.fromfile(paths[i], dtype=np.uint8) for i in batches[info.iteration]]
 
-        seed = hash((self.seed, self.epoch, self.rank, self.mode)) & (2**31 - 1)
+        seed = self.pipeline_seed()
         gpu = self.device_id is not None
         st = self.settings
 

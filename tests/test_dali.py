@@ -128,3 +128,24 @@ def test_views_are_seeded_by_the_seed(tmp_path):
     c = next(iter(dm(root, seed=1).train_dataloader()))[0][0]
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert np.isfinite(a.numpy()).all()
+
+
+def test_pipeline_seed_is_the_same_in_every_process():
+    """Python salts string hashes per process: the former hash((seed, epoch, rank, "pretrain")) drew other views in
+    a resumed run. Two processes with different PYTHONHASHSEED must agree."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from moco_lightning.datamodules.dali import DaliLoader; from moco_lightning.datamodules.transforms import "
+        "view_settings; l = DaliLoader(['a.jpg'], [0], 'pretrain', view_settings('moco_v2', 32), (0.5,), (0.5,), 1, "
+        "seed=3, rank=1); l.set_epoch(2); print(l.pipeline_seed())"
+    )
+    seeds = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": h}
+        ).stdout.strip()
+        for h in ("1", "2")
+    }
+    assert len(seeds) == 1 and seeds.pop().isdigit()

@@ -100,7 +100,16 @@ def test_key_drift_works_with_channels_last_weights():
 
     from conftest import cpu_trainer, tiny_data, tiny_moco
 
-    model = tiny_moco(backbone="resnet18", width=0.25, hidden_dim=16, channels_last=True)
-    diag = RepresentationDiagnostics(every_n_steps=1)
-    cpu_trainer(max_steps=2, callbacks=[diag], limit_val_batches=0).fit(model, tiny_data())
-    assert model.key_backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    def drift(m):
+        model = tiny_moco(backbone="resnet18", width=0.25, hidden_dim=16, channels_last=True, momentum=m)
+        logger = RecordingLogger()
+        diag = RepresentationDiagnostics(every_n_steps=1)
+        cpu_trainer(max_steps=3, callbacks=[diag], limit_val_batches=0, logger=logger, log_every_n_steps=1).fit(
+            model, tiny_data()
+        )
+        assert model.key_backbone.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+        return [r["diag/key_rel_change"] for _, r in logger.records if "diag/key_rel_change" in r]
+
+    moving, frozen = drift(0.9), drift(1.0)  # the logged drift is read: it moves with m, and is 0 when f_k is fixed
+    assert moving and all(math.isfinite(v) and 0 < v < 1 for v in moving)
+    assert frozen and all(v == 0.0 for v in frozen)

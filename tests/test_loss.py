@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from lightly.loss import NTXentLoss
 
-from moco_lightning.loss import contrastive_similarities, info_nce
+from moco_lightning.loss import info_nce
 
 
 def fixed(n, c, seed):
@@ -48,13 +48,20 @@ def test_equals_lightly_ntxent_with_memory_bank():
 
 
 def test_logits_are_fp32_under_half_inputs():
+    """Catches fp16 similarities behind an fp32 loss: the similarities' dtype is asserted, and the loss is compared
+    with a float64 hand computation of the same (fp16-rounded) vectors at 1e-5 (fp16 products miss by ~1e-3)."""
     q, k, queue = fixed(4, 8, 8).half(), fixed(4, 8, 9).half(), fixed(16, 8, 10).half()
     loss, sims, _ = info_nce(q, k, queue, 0.07)
-    assert loss.dtype == torch.float32
-    ref = F.cross_entropy(
-        contrastive_similarities(q.float(), k.float(), queue.float())[0] / 0.07, torch.zeros(4, dtype=torch.long)
-    )
-    assert abs(loss.item() - ref.item()) < 2e-2
+    assert loss.dtype == sims.dtype == torch.float32
+    q64, k64, queue64 = q.double(), k.double(), queue.double()
+    expected = 0.0
+    for i in range(4):
+        pos = math.exp(float(q64[i] @ k64[i]) / 0.07)
+        neg = sum(math.exp(float(q64[i] @ queue64[j]) / 0.07) for j in range(16))
+        expected += -math.log(pos / (pos + neg)) / 4
+    assert abs(loss.item() - expected) < 1e-5
+    torch.testing.assert_close(sims[:, 1:].double(), q64 @ queue64.T, rtol=0, atol=1e-6)
+    assert (q @ queue.T).dtype == torch.float16  # what the product would be without the upcast
 
 
 def test_similarities_and_loss_are_fp32_under_bf16_autocast():

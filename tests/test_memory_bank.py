@@ -10,9 +10,9 @@ def test_update_moves_exactly_the_batch_rows_with_the_momentum_formula(seeded):
     before = bank.features.clone()
     index = torch.tensor([7, 2, 5])
     q = F.normalize(torch.randn(3, 4), dim=1)
-    bank.update(index, q, momentum=0.5)
+    bank.update(index, q, momentum=0.3)  # not 0.5, where swapping m and 1 - m would give the same rows
     expected = before.clone()
-    expected[index] = F.normalize(0.5 * before[index] + 0.5 * q, dim=1)
+    expected[index] = F.normalize(0.3 * before[index] + 0.7 * q, dim=1)
     torch.testing.assert_close(bank.features, expected, rtol=0, atol=1e-7)
     untouched = [i for i in range(10) if i not in (7, 2, 5)]
     assert torch.equal(bank.features[untouched], before[untouched])

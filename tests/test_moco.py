@@ -108,12 +108,12 @@ class CountUpdates(Callback):
 @pytest.mark.parametrize("accumulate,expected_updates", [(1, 4), (2, 2)])
 def test_momentum_applied_once_per_optimizer_step(seeded, accumulate, expected_updates):
     counter = CountUpdates()
-    model = tiny_moco()
+    model = tiny_moco(queue_size=128)  # 4 batches of 16 keys move the pointer to 64 (with K 32 it would be back at 0)
     trainer = cpu_trainer(accumulate_grad_batches=accumulate, callbacks=[counter], limit_val_batches=0)
     trainer.fit(model, tiny_data())
     assert counter.batches == 4
     assert counter.updates == expected_updates == trainer.global_step
-    assert model.queue.ptr.item() == (4 * 16) % 32  # every batch's keys are enqueued
+    assert model.queue.ptr.item() == 4 * 16  # every batch's keys are enqueued, micro-batches included
 
 
 def test_key_encoder_gets_no_gradient_and_no_optimizer_state(seeded):
@@ -182,30 +182,31 @@ def test_key_encoder_after_step_j_is_blended_with_the_official_m_of_j(seeded):
 
 # --- the loss inside the module ------------------------------------------------------------
 def test_positive_key_is_never_among_the_negatives(seeded):
-    snapshots, keys = [], []
-
-    class Snapshot(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            snapshots.append(pl_module.queue.keys.clone())
-            if keys:  # the previous step's keys are in the queue once that step is over
-                assert (keys[-1] @ snapshots[-1].T).max(dim=1).values.min() > 1 - 1e-5
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            keys.append(outputs["k"])  # (callbacks run before the module's own on_train_batch_end)
-            assert (outputs["k"] @ snapshots[-1].T).max() < 1 - 1e-4  # not among the negatives it was scored against
-
+    """The negatives the loss used (``sims[:, 1:]``) are exactly q against the queue as it was before the step, and
+    ``contrast`` leaves the queue alone: enqueueing k before the loss fails both."""
     model = tiny_moco(queue_size=64)
-    cpu_trainer(callbacks=[Snapshot()], limit_val_batches=0).fit(model, tiny_data())
-    assert len(snapshots) == 4
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(model, tiny_data())  # a queue holding real keys
+    model.train()
+    x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    before = model.queue.keys.clone()
+    out = model.contrast(x1, x2)
+    assert torch.equal(model.queue.keys, before)
+    torch.testing.assert_close(out["sims"][:, 1:], out["q"] @ before.T, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["sims"][:, 0], (out["q"] * out["k"]).sum(1), rtol=0, atol=1e-6)
+    assert (out["k"] @ before.T).max() < 1 - 1e-4  # this step's keys are not among its negatives
 
 
 def test_training_loss_matches_hand_computation(seeded):
+    """The expectation uses a queue snapshot taken before ``contrast``: a contrast that changed the queue (e.g.
+    enqueued k before the loss) cannot match itself."""
     model = tiny_moco()
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
+    queue_before = model.queue.keys.clone()
     out = model.contrast(x1, x2)
+    assert torch.equal(model.queue.keys, queue_before)
     q = F.normalize(model.projection_head(model.backbone(x1)), dim=1)
     k = F.normalize(model.key_projection_head(model.key_backbone(x2)), dim=1)
-    logits = torch.cat([(q * k).sum(1, keepdim=True), q @ model.queue.keys.T], 1) / 0.2
+    logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue_before.T], 1) / 0.2
     expected = -torch.log_softmax(logits, 1)[:, 0].mean()
     assert torch.allclose(out["loss"], expected, atol=1e-6)
 
@@ -397,7 +398,7 @@ def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(se
 
 
 def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
-    model = tiny_moco(MemoryBankMoCo, memory_bank_size=20, num_negatives=12, bank_momentum=0.5)
+    model = tiny_moco(MemoryBankMoCo, memory_bank_size=20, num_negatives=12, bank_momentum=0.3)
     assert model.key_backbone is None
     before = model.memory_bank.features.clone()
     index = torch.tensor([3, 17, 9, 0])
@@ -407,7 +408,7 @@ def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
     model._keys, model._index = out["keys"], index
     model.finish_step()
     expected = before.clone()
-    expected[index] = F.normalize(0.5 * before[index] + 0.5 * out["q"], dim=1)
+    expected[index] = F.normalize(0.3 * before[index] + 0.7 * out["q"], dim=1)  # m != 1 - m: a swap fails
     torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="memory_bank_size = the number of training images"):
         tiny_moco(MemoryBankMoCo)
@@ -438,7 +439,7 @@ def test_memory_bank_smaller_than_the_training_set_fails_at_fit_start(seeded, on
 
 
 def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded):
-    model = tiny_moco(MemoryBankMoCo, memory_bank_size=10, num_negatives=6, bank_momentum=0.5, symmetric=True)
+    model = tiny_moco(MemoryBankMoCo, memory_bank_size=10, num_negatives=6, bank_momentum=0.3, symmetric=True)
     before = model.memory_bank.features.clone()
     index = torch.tensor([1, 8, 4])
     x1, x2 = torch.randn(3, 1, 28, 28), torch.randn(3, 1, 28, 28)
@@ -447,7 +448,7 @@ def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded
     model._keys, model._index = out["keys"], index
     model.finish_step()
     expected = before.clone()
-    expected[index] = F.normalize(0.5 * before[index] + 0.5 * (q1 + q2) / 2, dim=1)
+    expected[index] = F.normalize(0.3 * before[index] + 0.7 * (q1 + q2) / 2, dim=1)
     torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-6)
 
 
@@ -490,6 +491,26 @@ def test_no_host_copy_of_the_key_shuffle_permutation(seeded, monkeypatch):
     model = tiny_moco(shuffle_bn="split", bn_splits=4)
     cpu_trainer(max_steps=1, limit_val_batches=0, callbacks=[Record()]).fit(model, tiny_data())
     assert devices == [(torch.device("cpu"), torch.device("cpu"))]  # the batch's device (here the CPU), both
+
+
+def test_split_shuffle_bn_permutes_the_key_batch_before_batchnorm(seeded):
+    """Drawing the permutation and not applying it used to pass every test: here the keys must equal the key encoder
+    run (split BN, train mode) on the permuted batch, un-permuted, and differ from the unshuffled keys."""
+    from moco_lightning.split_bn import convert_split_bn
+
+    model = tiny_moco(shuffle_bn="split", bn_splits=2)
+    model._shuffle = "split"
+    convert_split_bn(model.key_backbone, 2)
+    model.train()
+    x = torch.cat([torch.randn(4, 1, 28, 28) + 3, torch.randn(4, 1, 28, 28) - 3])  # the halves are the sub-batches
+    k = model.key(x)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(1_000_003 * (0 + 1)))  # global step 0
+    assert not torch.equal(perm, torch.arange(8))
+    with torch.no_grad():
+        shuffled = model._encode_key(x[perm])
+        plain = model._encode_key(x)
+    torch.testing.assert_close(k, torch.empty_like(shuffled).index_copy_(0, perm, shuffled), rtol=0, atol=1e-6)
+    assert (k - plain).abs().max() > 1e-3  # the permutation changed what each sub-batch's BatchNorm saw
 
 
 def test_after_fit_the_backbone_is_the_users_again_and_extracts_features(seeded):
