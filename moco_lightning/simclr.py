@@ -48,4 +48,6 @@ class SimCLR(Pretraining):
         x0, x1 = self.two_views(views)
         h = self.backbone(self._layout(torch.cat([x0, x1])))
         z0, z1 = self.projection_head(h).float().chunk(2)
-        return dict(loss=self.criterion(z0, z1), features=h[: len(x0)].detach())
+        with torch.autocast(h.device.type, enabled=False):  # lightly's einsum would give bf16 logits under autocast
+            loss = self.criterion(z0, z1)
+        return dict(loss=loss, features=h[: len(x0)].detach())

@@ -71,7 +71,9 @@ class SwAV(Pretraining):
         """Prototype scores (fp32) of each view (one forward pass for views of one size); the first view's features."""
         h = self.backbone(self._layout(torch.cat(views)))
         z = nn.functional.normalize(self.projection_head(h).float(), dim=1)
-        return list(self.prototypes(z).chunk(len(views))), h[: len(views[0])].detach()
+        with torch.autocast(h.device.type, enabled=False):  # scores in fp32: Sinkhorn takes exp(score / 0.05)
+            scores = self.prototypes(z)
+        return list(scores.chunk(len(views))), h[: len(views[0])].detach()
 
     def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
         """Swapped prediction: the codes of each global view predicted by every other view (global and local)."""

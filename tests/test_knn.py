@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
+import tempfile
 
 import pytest
 import torch
@@ -109,8 +109,7 @@ def loaders(batch_size: int = 7):
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{port}", rank=rank, world_size=world)
     gathered_rows = []
     original = dist.all_gather
 
@@ -136,10 +135,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> str:
+    """A file store for the gloo group (no TCP port a parallel test could take)."""
+    return os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
 
 
 def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):

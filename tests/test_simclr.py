@@ -75,3 +75,15 @@ def test_local_views_are_refused_not_silently_dropped(seeded):
         ValueError, match="SimCLR uses two views, but the batch has 3: set the datamodule's local_views"
     ):
         tiny(SimCLR).views_loss(views)
+
+
+def test_logits_and_loss_are_fp32_under_bf16_autocast(seeded):
+    """lightly's NT-Xent einsum gives bf16 logits under autocast; the loss must equal the fp32 one of the same z."""
+    model = tiny(SimCLR, temperature=0.1)
+    model.train()
+    x0, x1 = torch.randn(16, 1, 28, 28), torch.randn(16, 1, 28, 28)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.views_loss([x0, x1])["loss"]
+        z0, z1 = model.projection_head(model.backbone(torch.cat([x0, x1]))).float().chunk(2)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, model.criterion(z0, z1), rtol=1e-6, atol=1e-6)

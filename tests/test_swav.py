@@ -135,3 +135,16 @@ def test_ddp_ignores_a_requires_grad_toggle_which_is_why_prototypes_freeze_by_dr
     g = [torch.load(tmp_path / f"g{i}.pt") for i in (0, 1)]
     torch.testing.assert_close(g[0]["ours"], g[1]["ours"])  # all-reduced: equal on both ranks
     assert not torch.allclose(g[0]["toggled"], g[1]["toggled"])  # each rank's own gradient
+
+
+def test_scores_and_loss_are_fp32_under_bf16_autocast(seeded):
+    """The prototype Linear used to autocast to bf16, and Sinkhorn's exp(s/0.05) ran in bf16 (5.84375 vs 5.8456)."""
+    model = tiny(SwAV)
+    model.train()
+    model.prototypes.normalize()
+    views = [torch.randn(16, 1, 28, 28), torch.randn(16, 1, 28, 28)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores, _ = model.scores(views)
+        loss = model.views_loss(views)["loss"]
+    assert all(s.dtype == torch.float32 for s in scores) and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, model.criterion(scores, []).squeeze(), rtol=1e-6, atol=1e-6)
