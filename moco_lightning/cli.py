@@ -210,11 +210,10 @@ def newest_readable(paths: list) -> Optional[Path]:
     line naming both; None when none loads."""
     import torch
 
-    candidates = set(paths)
-    for p in paths:  # the run's other checkpoints (ModelCheckpoint's top-k, step saves) are fallbacks too
-        candidates.update(Path(p).parent.glob("*.ckpt"))
-    ordered = sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True)
-    newest = max(paths, key=lambda p: p.stat().st_mtime)
+    lasts = sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
+    others = {c for p in paths for c in Path(p).parent.glob("*.ckpt")} - set(lasts)  # top-k and step saves
+    ordered = lasts + sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)  # last.ckpt first, then those
+    newest = lasts[0]
     for p in ordered:
         try:
             torch.load(p, map_location="cpu", weights_only=False)

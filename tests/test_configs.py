@@ -78,8 +78,11 @@ def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["moco-lightning"])
     args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.fast_dev_run=2", "--trainer.accelerator=cpu"]
-    if config == "linear_eval.yaml":
-        cli = run_cli(LinearClassifier, [*args, f"--model.ckpt_path={pretrain_checkpoint(tmp_path)}", *SMALL_FMNIST])
+    if config in ("linear_eval.yaml", "low_label.yaml"):  # the LinearClassifier's configs, on a tiny checkpoint
+        labels = ["--model.label_fraction=0.5"] if config == "low_label.yaml" else []  # 64 images: 32 labelled
+        cli = run_cli(
+            LinearClassifier, [*args, f"--model.ckpt_path={pretrain_checkpoint(tmp_path)}", *SMALL_FMNIST, *labels]
+        )
     elif "DDPStrategy" in (ROOT / "configs" / config).read_text():  # DDP launches processes: the real command
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         exe = Path(sys.executable).with_name("moco-lightning")
