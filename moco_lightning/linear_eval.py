@@ -261,7 +261,7 @@ class LinearClassifier(LightningModule):
         targets = dm.train_targets()
         self.labelled_indices = balanced_subset(targets, hp.label_fraction, hp.labels_per_class, hp.label_seed)
         dm.select_train(self.labelled_indices)
-        log_dir = getattr(self.trainer, "log_dir", None)
+        log_dir = self.trainer.log_dir if self.trainer.logger is not None else None  # no logger: checkpoints only
         if log_dir and self.trainer.is_global_zero:
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, "labelled_indices.txt"), "w") as f:
