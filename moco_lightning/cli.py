@@ -116,12 +116,11 @@ class MoCoCLI(LightningCLI):
 
 def read_checkpoint(path: str) -> dict:
     """The checkpoint at ``path``, or a one-line error naming the file (missing, empty, truncated, not a checkpoint)."""
-    import torch
 
     if not os.path.isfile(path):
         raise ConfigError(f"--ckpt_path {path}: no such file; give a .ckpt written by `moco-lightning fit` or 'last'")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = _load(path)
     except Exception as e:  # noqa: BLE001 - torch.load's errors for a torn file are EOFError, RuntimeError, KeyError...
         raise ConfigError(
             f"--ckpt_path {path}: not a readable checkpoint ({os.path.getsize(path)} bytes; {type(e).__name__}: "
@@ -158,8 +157,9 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
         if str(_get(cb, "class_path") or "").endswith("ModelCheckpoint")
     ]
     found = [p for d in dirpaths if d for p in Path(d).glob("last*.ckpt")]
-    if found and newest_readable(found) is not None:
-        return str(newest_readable(found))
+    readable = newest_readable(found) if found else None
+    if readable is not None:
+        return str(readable)
     logger = trainer.get("logger")
     first = logger[0] if isinstance(logger, list) and logger else logger
     root = trainer.get("default_root_dir") or os.getcwd()
@@ -205,18 +205,33 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
     return str(newest)
 
 
+_KEPT: dict = {}  # the checkpoint newest_readable loaded, handed to read_checkpoint once instead of a second load
+
+
+def _load(path: Any, keep: bool = False) -> Any:
+    """torch.load of a checkpoint on the CPU; ``keep``: hold it for the next ``_load`` of the same file (one only)."""
+    import torch
+
+    key = (str(path), os.stat(path).st_mtime_ns)
+    ckpt = _KEPT.pop(key, None)
+    _KEPT.clear()
+    if ckpt is None:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if keep:
+        _KEPT[key] = ckpt
+    return ckpt
+
+
 def newest_readable(paths: list) -> Optional[Path]:
     """The newest of ``paths`` that loads, falling back past torn ones (and to the run's other checkpoints) with one
     line naming both; None when none loads."""
-    import torch
-
     lasts = sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
     others = {c for p in paths for c in Path(p).parent.glob("*.ckpt")} - set(lasts)  # top-k and step saves
     ordered = lasts + sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)  # last.ckpt first, then those
     newest = lasts[0]
     for p in ordered:
         try:
-            torch.load(p, map_location="cpu", weights_only=False)
+            _load(p, keep=True)
         except Exception:  # noqa: BLE001 - any failure to load is a torn file here
             continue
         if Path(p) != Path(newest):
