@@ -1,6 +1,13 @@
 """Datamodules giving MoCo's two views for pretraining and the evaluation views for the callbacks."""
 
-from .base import ImageTensorDataset, InMemoryDataModule, NormalizeCollate, SeededRandomSampler, TwoViewDataModule
+from .base import (
+    ImageTensorDataset,
+    InMemoryDataModule,
+    NormalizeCollate,
+    ResumableDataLoader,
+    SeededRandomSampler,
+    TwoViewDataModule,
+)
 from .batch_views import BatchViews
 from .cifar import CIFAR10DataModule, CIFAR100DataModule
 from .fashion_mnist import FashionMNISTDataModule
@@ -22,6 +29,7 @@ __all__ = [
     "NormalizeCollate",
     "PRESETS",
     "STL10DataModule",
+    "ResumableDataLoader",
     "SeededRandomSampler",
     "TwoViewDataModule",
     "ViewSettings",

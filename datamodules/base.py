@@ -19,6 +19,7 @@ your own needs only ``train_dataloader`` yielding ``([view_1, view_2], ...)`` to
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
@@ -52,6 +53,71 @@ class SeededRandomSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.n
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that resumes mid-epoch: its state is ``(epoch, batches yielded in it)``.
+
+    Lightning saves the state of a training loader that has ``state_dict`` / ``load_state_dict`` in its checkpoints
+    and loads it before the loader is iterated again. A resumed epoch then skips the batches the killed run had
+    trained on (their indices only: nothing is loaded or decoded for them) and yields the rest, so with the seeded
+    sampler (an order from ``(seed, epoch)``) and the augmentation generators saved with the datamodule, a run
+    killed at any step and resumed trains on exactly the batches of the uninterrupted one. Without a state Lightning
+    restarts an interrupted epoch from its first batch ("your dataloader is not resumable").
+
+    The position is counted where the training loop takes the batches (not in the workers, which prefetch), and
+    every rank yields the same number of batches (equal shards, ``drop_last``), so rank 0's state, the one
+    Lightning writes, fits every rank. A state saved in another epoch than the one being started (a checkpoint
+    written at the end of an epoch) skips nothing.
+    """
+
+    _yielded = 0  # batches handed out in the current epoch (no __init__: Lightning re-creates loaders from its args)
+    _resume_at: Optional[Tuple[int, int]] = None  # (epoch, batches) from a checkpoint, not yet applied
+    _skip = 0  # batches the next epoch's index stream skips
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch(), "batches": self._yielded}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
+
+    def _epoch(self) -> int:
+        return int(getattr(self.sampler, "epoch", 0))
+
+    def __iter__(self) -> Iterator:  # type: ignore[override]
+        # a generator: runs at the first batch, after Lightning's ``set_epoch`` (an iterator made earlier, as
+        # Lightning's resume makes one before it sets the epoch, would prefetch the previous epoch's order)
+        skip = 0
+        if self._resume_at is not None:
+            epoch, batches = self._resume_at
+            self._resume_at = None
+            skip = batches if epoch == self._epoch() else 0
+        self._skip, self._yielded = skip, skip
+        try:  # the index streams made while the iterator is built skip (a worker iterator makes two)
+            batches = super().__iter__()
+        finally:
+            self._skip = 0
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
+    @property
+    def _index_sampler(self):  # what DataLoader's iterators draw indices from (the batch sampler here)
+        return _SkipFirst(super()._index_sampler, self)
+
+
+class _SkipFirst:
+    """An index sampler whose passes skip ``loader._skip`` batches (non-zero only while a resumed epoch's iterator
+    is being made)."""
+
+    def __init__(self, inner: Any, loader: ResumableDataLoader) -> None:
+        self.inner, self.loader = inner, loader
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(iter(self.inner), self.loader._skip, None)
 
 
 class ImageTensorDataset(Dataset):
@@ -197,7 +263,7 @@ class TwoViewDataModule(LightningDataModule):
     def _loader(
         self, ds: Dataset, sampler: Optional[Sampler] = None, drop_last: bool = False, collate_fn=None
     ) -> DataLoader:
-        return DataLoader(
+        return ResumableDataLoader(
             ds,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -206,6 +272,9 @@ class TwoViewDataModule(LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            # the workers' base seed from a generator of the loader's own: a DataLoader draws it from the global
+            # RNG each time it starts an epoch, and a resumed epoch starts once more than the uninterrupted one did
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
 

@@ -11,7 +11,11 @@ training batches ``([view_1, view_2, *local_views], targets, index)``, evaluatio
   the same number of batches; training drops the last partial batch. The file bytes are read in Python and fed
   through ``fn.external_source`` in that order.
 - Randomness: the pipeline of each epoch is seeded by ``(seed, epoch, rank)``: an epoch's views are the same
-  whether or not the run was resumed (Lightning restarts an interrupted epoch from its start, as with PIL).
+  whether or not the run was resumed.
+- Resuming mid-epoch: the loader's state (``state_dict``, saved by Lightning) is the epoch and the batches yielded
+  in it; a resumed epoch runs the pipeline over the batches already trained on and discards them (DALI's random
+  operators advance their state per sample: replaying is what gives the remaining batches the views they would have
+  had), then yields the rest. The replay costs the decoding of those batches, once.
 - Views per preset: random resized crop (torchvision's area and aspect ranges), flip, colour jitter (brightness,
   contrast, saturation and hue factors as torchvision's, applied with the preset's probability), grayscale, Gaussian
   blur (sigma scaled with the image side as the other paths), solarization, normalisation; local views for
@@ -90,6 +94,8 @@ class DaliLoader:
         self.epoch, self.shuffle = 0, shuffle and mode != "eval"
         self.sampler, self.batch_sampler = self, None  # Lightning calls ``sampler.set_epoch(epoch)`` every epoch
         self.equal_batches = mode != "eval"  # every rank gets as many full batches: gathers need not exchange sizes
+        self._yielded = 0  # batches handed out in the current epoch
+        self._resume_at: Optional[Tuple[int, int]] = None  # (epoch, batches) from a checkpoint, not yet applied
 
     # --- order -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -110,8 +116,21 @@ class DaliLoader:
         n = len(self.order())
         return n // self.batch_size if self.shuffle else math.ceil(n / self.batch_size)
 
+    # --- resuming mid-epoch (Lightning saves and loads the state of a training loader that has one) ----------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches": self._yielded}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
+
     # --- the pipeline --------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Tuple]:
+        skip = 0
+        if self._resume_at is not None:
+            epoch, batches = self._resume_at
+            self._resume_at = None
+            skip = batches if epoch == self.epoch else 0
+        self._yielded = skip
         order = self.order()
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if self.shuffle:  # training: the last partial batch is dropped
@@ -119,8 +138,11 @@ class DaliLoader:
         if not batches:
             return
         pipe = self._pipeline(batches)
-        for index in batches:
+        for i, index in enumerate(batches):
             outputs = pipe.run()
+            if i < skip:  # trained on before the run was interrupted: replayed for the pipeline's random state
+                continue
+            self._yielded += 1
             views = [self._to_torch(o) for o in outputs]
             targets, idx = torch.from_numpy(self.targets[index]), torch.from_numpy(index.astype(np.int64))
             yield (views, targets, idx) if self.mode == "pretrain" else (views[0], targets, idx)

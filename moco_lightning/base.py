@@ -168,6 +168,7 @@ class Pretraining(LightningModule):
         if self._rng_to_restore is not None:  # resuming: this rank's global RNGs continue where they were saved
             ckpt.set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
+        ckpt.load_pending_loader_states(self.trainer)  # the resumed epoch continues at its next batch
         self._stepped = self.global_step
 
     def optimizer_stepped(self) -> bool:

@@ -85,6 +85,20 @@ def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
     return saved[rank()]
 
 
+def load_pending_loader_states(trainer: Any) -> None:
+    """Hands the training loaders the states Lightning read from the checkpoint (their mid-epoch position), if it
+    has not: call at ``on_train_start``.
+
+    Lightning loads them while it sets up the training data at the start of ``fit``, but only if that set-up has not
+    happened yet; ``configure_optimizers`` asking for ``trainer.estimated_stepping_batches`` (the schedules here)
+    sets up the data earlier, before the checkpoint is restored, and the states are then never loaded: the resumed
+    epoch restarted from its first batch (lightning 2.6). The loader's iterator is made lazily (a generator), so at
+    ``on_train_start`` it has not drawn a batch yet."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if fit_loop is not None and getattr(fit_loop, "_combined_loader_states_to_load", None):
+        fit_loop._load_combined_loader_states()
+
+
 def check_structure(saved: Mapping, current: Mapping, fields: Iterable[str], who: str) -> None:
     """One error naming every structural hyper-parameter in which a checkpoint and a model differ."""
     differ = [

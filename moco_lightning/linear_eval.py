@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from .backbones import build_backbone
+from .checkpoint import load_pending_loader_states
 from .errors import ConfigError, DataNotFoundError
 
 __all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main"]
@@ -266,6 +267,9 @@ class LinearClassifier(LightningModule):
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, "labelled_indices.txt"), "w") as f:
                 f.write("\n".join(str(i) for i in self.labelled_indices.tolist()) + "\n")
+
+    def on_train_start(self) -> None:
+        load_pending_loader_states(self.trainer)  # a resumed epoch continues at its next batch
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.labelled_indices is not None:

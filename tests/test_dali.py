@@ -149,3 +149,19 @@ def test_pipeline_seed_is_the_same_in_every_process():
         for h in ("1", "2")
     }
     assert len(seeds) == 1 and seeds.pop().isdigit()
+
+
+def test_a_resumed_epoch_replays_the_pipeline_and_yields_the_remaining_batches_with_their_views(tmp_path):
+    d = dm(folder(tmp_path))
+    loader = d.train_dataloader()
+    whole = list(loader)
+    assert loader.state_dict() == {"epoch": 0, "batches": 4}
+    resumed = d.train_dataloader()
+    resumed.load_state_dict({"epoch": 0, "batches": 3})
+    rest = list(resumed)
+    assert len(rest) == 1 and resumed.state_dict() == {"epoch": 0, "batches": 4}
+    assert torch.equal(rest[0][2], whole[3][2]) and torch.equal(rest[0][0][0], whole[3][0][0])
+    other = d.train_dataloader()
+    other.set_epoch(1)
+    other.load_state_dict({"epoch": 0, "batches": 4})  # saved at the end of epoch 0: epoch 1 starts at its start
+    assert len(list(other)) == 4

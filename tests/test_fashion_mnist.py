@@ -100,3 +100,29 @@ def test_sampler_order_depends_on_seed_and_epoch_only():
     sampler.set_epoch(1)
     assert list(sampler) != first
     assert loader.drop_last and len(loader) == 4
+
+
+def test_training_loader_resumes_mid_epoch_from_its_state():
+    """The loader's state is (epoch, batches yielded); a loader given it skips exactly those batches of that epoch
+    (a state of another epoch, or none, skips nothing), and drawing does not touch the global RNG."""
+    dm = tiny_data()
+    dm.setup()
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(1)
+    whole = [b[2] for b in loader]
+    assert loader.state_dict() == {"epoch": 1, "batches": 4}
+    it = iter(loader)
+    next(it)
+    assert loader.state_dict() == {"epoch": 1, "batches": 1}
+    fresh = dm.train_dataloader()
+    fresh.sampler.set_epoch(1)
+    fresh.load_state_dict({"epoch": 1, "batches": 3})
+    state = torch.get_rng_state()
+    rest = [b[2] for b in fresh]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(rest) == 1 and torch.equal(rest[0], whole[3]) and fresh.state_dict() == {"epoch": 1, "batches": 4}
+    assert [b[2].tolist() for b in fresh] == [b.tolist() for b in whole]  # the next pass is a whole epoch again
+    other = dm.train_dataloader()
+    other.sampler.set_epoch(2)
+    other.load_state_dict({"epoch": 1, "batches": 4})  # saved at the end of epoch 1: epoch 2 starts at its start
+    assert len(list(other)) == 4

@@ -389,3 +389,22 @@ def test_skipped_images_are_replaced_within_their_class_and_warned_once(tmp_path
     assert dm.bad_images == [str(bad)]
     if workers == 0:
         assert len([w for w in caught if "skip_bad_images" in str(w.message)]) == 1  # one warning per run
+
+
+def test_worker_loader_resumes_mid_epoch_with_the_same_views(tmp_path):
+    """PIL in 2 persistent workers: a loader given the state (epoch 1, 2 batches) yields that epoch's batches 3 and
+    4 with the views the uninterrupted loader gave them (each image's views are seeded by index and epoch)."""
+    write_tree(tmp_path, n_per_class=8)
+    dm = ImageFolderDataModule(str(tmp_path), batch_size=4, image_size=16, num_workers=2)
+    dm.setup()
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(1)
+    whole = list(loader)
+    resumed = dm.train_dataloader()
+    resumed.sampler.set_epoch(1)
+    resumed.load_state_dict({"epoch": 1, "batches": 2})
+    rest = list(resumed)
+    assert len(whole) == 4 and len(rest) == 2 and resumed.state_dict() == {"epoch": 1, "batches": 4}
+    for a, b in zip(whole[2:], rest):
+        assert torch.equal(a[2], b[2]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert len(list(resumed)) == 4  # the persistent workers' next epoch starts at its first batch

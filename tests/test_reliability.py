@@ -52,27 +52,74 @@ def cli(config: Path, *extra: str):
     return exe, env
 
 
-def test_killed_run_resumes_from_last_checkpoint_and_finishes(tmp_path):
-    """SIGKILL at the end of step 7 (mid-epoch, 10 steps an epoch; the last checkpoint is step 6's), by a callback of
-    the run itself: no sleeps, no polling, the same on a fast or a slow machine."""
-    ckpt_dir = tmp_path / "ckpt"
-    config = tmp_path / "run.yaml"
+def _final_state(path: Path) -> dict:
+    """Everything a resumed run must reproduce: weights and buffers (queue), optimizer and schedule, the loops'
+    progress, each rank's global RNGs and augmentation generator."""
+    c = torch.load(path, map_location="cpu", weights_only=False)
+    return {
+        "state_dict": c["state_dict"],
+        "optimizer_states": c["optimizer_states"],
+        "lr_schedulers": c["lr_schedulers"],
+        "global_step": c["global_step"],
+        "epoch": c["epoch"],
+        "rng_states": c["moco_lightning"]["rng_states"],
+        "datamodule": c["FashionMNISTDataModule"],
+    }
+
+
+def _assert_equal(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            _assert_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: lengths {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_killed_anywhere_the_resumed_run_is_bit_equal_to_the_uninterrupted_one(devices, tmp_path):
+    """SIGKILL at the end of step 7 (mid-epoch: 10 steps an epoch with one process, 5 with two; the last checkpoint
+    is step 6's), by a callback of the run itself (no sleeps, no polling: the same on a fast or a slow machine), then
+    ``--ckpt_path last``: the final weights, queue, optimizer, schedule, RNGs and augmentation generators are
+    bit-equal to a run that was never killed, and Lightning does not warn that the loader is not resumable (the
+    resumed epoch skips the 6 batches it had trained on instead of training on its first batches again)."""
+    ddp = (
+        "  devices: 2\n  strategy:\n    class_path: lightning.pytorch.strategies.DDPStrategy\n"
+        "    init_args: {find_unused_parameters: false}\n"
+        if devices == 2
+        else ""
+    )
+    steps = 20 // devices  # 2 epochs
     kill = "    - class_path: conftest.KillAt\n      init_args: {step: 7}"
-    config.write_text(CONFIG.format(ckpt_dir=ckpt_dir, kill=kill))
-    exe, env = cli(config)
-    killed = subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    def run(name: str, kill_it: bool, *extra: str) -> subprocess.CompletedProcess:
+        config = tmp_path / f"{name}.yaml"
+        text = CONFIG.format(ckpt_dir=tmp_path / name, kill=kill if kill_it else "")
+        config.write_text(text.replace("trainer:\n", "trainer:\n" + ddp, 1))
+        exe, env = cli(config, *extra)
+        return subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    whole = run("whole", False)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = run("killed", True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    last = ckpt_dir / "last.ckpt"
+    last = tmp_path / "killed" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 6
-    config.write_text(CONFIG.format(ckpt_dir=ckpt_dir, kill=""))
-    exe, env = cli(config, "--ckpt_path", "last")
-    done = subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    final = torch.load(last, map_location="cpu", weights_only=False)
-    assert final["global_step"] == 20 and final["epoch"] == 1
-    # the restored run carried the queue on: every step after the kill enqueued its 16 keys
-    assert final["state_dict"]["queue.ptr"].item() == (20 * 16) % 40
-    assert final["state_dict"]["queue.enqueued_at"].max().item() == 20
+    resumed = run("killed", False, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "not resumable" not in resumed.stderr and "not resumable" not in resumed.stdout
+    final = _final_state(last)
+    assert final["global_step"] == steps and final["epoch"] == 1
+    # the restored run carried the queue on: every step after the kill enqueued its 16 x devices keys
+    assert final["state_dict"]["queue.ptr"].item() == (steps * 16 * devices) % 40
+    assert final["state_dict"]["queue.enqueued_at"].max().item() == steps
+    _assert_equal(final, _final_state(tmp_path / "whole" / "last.ckpt"), "checkpoint")
 
 
 def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(seeded, tmp_path):
