@@ -72,14 +72,14 @@ class ResumableDataLoader(DataLoader):
     """
 
     _yielded = 0  # batches handed out in the current epoch (no __init__: Lightning re-creates loaders from its args)
-    _resume_at: Optional[Tuple[int, int]] = None  # (epoch, batches) from a checkpoint, not yet applied
+    _resume_at: Optional[tuple] = None  # (epoch, batches, batch_size) from a checkpoint, not yet applied
     _skip = 0  # batches the next epoch's index stream skips
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch(), "batches": self._yielded}
+        return {"epoch": self._epoch(), "batches": self._yielded, "batch_size": self.batch_size}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]))
+        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]), state_dict.get("batch_size"))
 
     def _epoch(self) -> int:
         return int(getattr(self.sampler, "epoch", 0))
@@ -89,9 +89,10 @@ class ResumableDataLoader(DataLoader):
         # Lightning's resume makes one before it sets the epoch, would prefetch the previous epoch's order)
         skip = 0
         if self._resume_at is not None:
-            epoch, batches = self._resume_at
+            epoch, batches, batch_size = self._resume_at
             self._resume_at = None
             skip = batches if epoch == self._epoch() else 0
+            check_resumed_batch_size(skip, batch_size, self.batch_size)
         self._skip, self._yielded = skip, skip
         try:  # the index streams made while the iterator is built skip (a worker iterator makes two)
             batches = super().__iter__()
@@ -104,6 +105,16 @@ class ResumableDataLoader(DataLoader):
     @property
     def _index_sampler(self):  # what DataLoader's iterators draw indices from (the batch sampler here)
         return _SkipFirst(super()._index_sampler, self)
+
+
+def check_resumed_batch_size(skip: int, saved: Optional[int], batch_size: Optional[int]) -> None:
+    """A mid-epoch position is a count of batches of the saved size: refused for another size."""
+    if skip and saved is not None and saved != batch_size:
+        raise ConfigError(
+            f"the checkpoint was written mid-epoch ({skip} batches into it) with batch_size {saved}; resuming with "
+            f"batch_size {batch_size} would train on other images than the interrupted epoch's rest: resume with "
+            f"batch_size {saved}, or from a checkpoint written at an epoch's end"
+        )
 
 
 class _SkipFirst:

@@ -92,6 +92,7 @@ class Pretraining(LightningModule):
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
         self._rng_to_restore: Optional[dict] = None
+        self._saved_plan: Optional[dict] = None  # the checkpoint's StepPlan, while resuming
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
         self._nan_flag: Optional[tuple] = None  # the last step's "loss not finite" flag, read one step later
         self._stepped = 0  # global_step when optimizer_stepped() last said so
@@ -169,6 +170,9 @@ class Pretraining(LightningModule):
             ckpt.set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
         ckpt.load_pending_loader_states(self.trainer)  # the resumed epoch continues at its next batch
+        if self._saved_plan is not None and self.trainer.ckpt_path:
+            self._continue_the_plan()
+        self._saved_plan = None
         self._stepped = self.global_step
 
     def optimizer_stepped(self) -> bool:
@@ -349,19 +353,78 @@ class Pretraining(LightningModule):
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         total = self.trainer.estimated_stepping_batches
-        lr = hp.lr * self.global_batch_size() / 256
+        batch = self.global_batch_size()
         optimizer = optim.build_optimizer(
-            hp.optimizer, self.trained_modules(), lr, hp.weight_decay, hp.sgd_momentum, hp.decay_norm_bias
+            hp.optimizer,
+            self.trained_modules(),
+            hp.lr * batch / 256,
+            hp.weight_decay,
+            hp.sgd_momentum,
+            hp.decay_norm_bias,
         )
-        steps_per_epoch = self.steps_per_epoch()
-        factor = optim.lr_factor(
-            hp.lr_schedule,
-            round(hp.warmup_epochs * steps_per_epoch),
-            total,
-            [m * steps_per_epoch for m in hp.lr_milestones],
+        spe = self.steps_per_epoch()
+        # resuming (not a model loaded with load_from_checkpoint and trained anew): the schedule as the run that
+        # wrote the checkpoint planned it
+        saved = self._saved_plan if self.trainer.ckpt_path else None
+        plan = (
+            optim.StepPlan.from_state(saved)
+            if saved
+            else optim.StepPlan(total, round(hp.warmup_epochs * spe), [m * spe for m in hp.lr_milestones], batch)
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        self.step_plan = plan
+        factor = optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(plan.position(step)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def planned_step(self, step: int) -> tuple[float, float]:
+        """``(position of step on the planned schedule, planned steps)``: what the momentum schedules follow."""
+        plan = getattr(self, "step_plan", None)
+        if plan is None:  # before configure_optimizers
+            return float(step), self.trainer.estimated_stepping_batches
+        return plan.position(step), plan.planned
+
+    def _continue_the_plan(self) -> None:
+        """On resume (``on_train_start``, everything restored): a run given another length stretches the rest of its
+        schedules (:class:`~moco_lightning.optim.StepPlan`); another global batch rescales the lr (given per 256
+        images). Each with a warning that says what changed."""
+        plan, trainer, step = self.step_plan, self.trainer, self.global_step
+        total = self._steps_at_end()
+        if math.isfinite(plan.planned) and total != plan.total and step < total:
+            warnings.warn(
+                f"the resumed run ends at step {total}, not {plan.total} as planned: the rest of the lr and momentum "
+                f"schedules from step {step} is stretched over the {total - step} steps left (no restart, no jump)",
+                stacklevel=2,
+            )
+            plan.replan(step, total)
+        batch = self.global_batch_size()
+        if batch != plan.global_batch:
+            ratio = batch / plan.global_batch
+            for config in trainer.lr_scheduler_configs:
+                config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
+            for optimizer in trainer.optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] *= ratio
+                    if "initial_lr" in group:
+                        group["initial_lr"] *= ratio
+            warnings.warn(
+                f"the global batch is {batch}, the checkpoint's run used {plan.global_batch}: lr (given per 256 "
+                f"images) is rescaled by {ratio:g} to {self.hparams.lr * batch / 256:g} at the peak",
+                stacklevel=2,
+            )
+            plan.global_batch = batch
+
+    def _steps_at_end(self) -> float:
+        """The global step at which this (resumed) run will stop: max_steps, or the end of max_epochs from the
+        position restored in the current epoch, whichever comes first."""
+        trainer = self.trainer
+        end = math.inf
+        if trainer.max_epochs not in (None, -1) and math.isfinite(trainer.num_training_batches):
+            batches = trainer.num_training_batches
+            epoch, done = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            if done >= batches:  # saved at the end of an epoch
+                epoch, done = epoch + 1, 0
+            end = self.global_step + ((trainer.max_epochs - epoch) * batches - done) // trainer.accumulate_grad_batches
+        return min(end, trainer.max_steps) if trainer.max_steps != -1 else end
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps per epoch (training batches over gradient accumulation), at least 1."""
@@ -391,6 +454,8 @@ class Pretraining(LightningModule):
                 f"{type(self).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
             )
         checkpoint["moco_lightning"] = ckpt.metadata()
+        if getattr(self, "step_plan", None) is not None:
+            checkpoint["moco_lightning"]["step_plan"] = self.step_plan.state_dict()
         # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
         # finish this step first, so that a checkpoint at step N holds N momentum updates (and N steps' keys).
         if self.finished_state and self.step_pending():
@@ -403,6 +468,7 @@ class Pretraining(LightningModule):
         ckpt.check_format(meta, type(self).__name__)
         ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, self.STRUCTURAL, type(self).__name__)
         self._rng_to_restore = ckpt.this_ranks_rng_states(meta)
+        self._saved_plan = meta.get("step_plan")
 
 
 def is_views_batch(batch: Any) -> bool:

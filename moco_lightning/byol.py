@@ -87,4 +87,4 @@ class BYOL(Pretraining):
     def momentum_at(self, step: int) -> float:
         """τ(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
         hp = self.hparams
-        return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
+        return momentum_at(*self.planned_step(step), hp.momentum, hp.momentum_schedule)

@@ -237,7 +237,7 @@ class MoCo(Pretraining):
     def momentum_at(self, step: int) -> float:
         """m(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
         hp = self.hparams
-        return momentum_at(step, self.trainer.estimated_stepping_batches, hp.momentum, hp.momentum_schedule)
+        return momentum_at(*self.planned_step(step), hp.momentum, hp.momentum_schedule)
 
     # --- validation: never stores keys, never moves the key encoder ---------------------------
     def validation_step(self, batch: Any, batch_idx: int) -> None:

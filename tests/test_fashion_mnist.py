@@ -110,19 +110,25 @@ def test_training_loader_resumes_mid_epoch_from_its_state():
     loader = dm.train_dataloader()
     loader.sampler.set_epoch(1)
     whole = [b[2] for b in loader]
-    assert loader.state_dict() == {"epoch": 1, "batches": 4}
+    assert loader.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 16}
     it = iter(loader)
     next(it)
-    assert loader.state_dict() == {"epoch": 1, "batches": 1}
+    assert loader.state_dict() == {"epoch": 1, "batches": 1, "batch_size": 16}
     fresh = dm.train_dataloader()
     fresh.sampler.set_epoch(1)
     fresh.load_state_dict({"epoch": 1, "batches": 3})
     state = torch.get_rng_state()
     rest = [b[2] for b in fresh]
     assert torch.equal(torch.get_rng_state(), state)
-    assert len(rest) == 1 and torch.equal(rest[0], whole[3]) and fresh.state_dict() == {"epoch": 1, "batches": 4}
+    assert (
+        len(rest) == 1
+        and torch.equal(rest[0], whole[3])
+        and fresh.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 16}
+    )
     assert [b[2].tolist() for b in fresh] == [b.tolist() for b in whole]  # the next pass is a whole epoch again
     other = dm.train_dataloader()
     other.sampler.set_epoch(2)
-    other.load_state_dict({"epoch": 1, "batches": 4})  # saved at the end of epoch 1: epoch 2 starts at its start
+    other.load_state_dict(
+        {"epoch": 1, "batches": 4, "batch_size": 16}
+    )  # saved at the end of epoch 1: epoch 2 starts at its start
     assert len(list(other)) == 4
