@@ -2,25 +2,30 @@
 
     moco-lightning export --ckpt runs/quickstart/version_0/checkpoints/last.ckpt --out backbone.pt
 
-    model = torchvision.models.resnet18()
-    model.fc = torch.nn.Identity()                            # MoCo's backbone has no classifier
-    model.load_state_dict(torch.load("backbone.pt"))         # strict: every key matches
+    backbone = moco_lightning.load_backbone("backbone.pt")   # rebuilt from the file's own description
 
-(A backbone trained with ``cifar_stem``/``in_channels`` needs the same stem: build it with
-``moco_lightning.backbones.build_backbone("resnet18", cifar_stem=True, in_channels=1)[0]``.)
+The file is a torchvision-style state dict (``torch.load`` it and ``load_state_dict`` it strictly into the same
+architecture) that also says what it holds: the backbone's name, ``width``, ``in_channels``, ``cifar_stem`` and
+``image_size`` ride in the state dict's ``_metadata`` (where ``state_dict()`` keeps its version numbers, ignored by
+``load_state_dict``), so :func:`load_backbone` rebuilds the architecture without the settings it was trained with.
+Any method's checkpoint (MoCo, MoCo v3, SimCLR, BYOL, SwAV) exports its ``backbone``; ``--encoder key``: MoCo's key
+encoder or BYOL's target.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections import OrderedDict
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
+from torch import nn
 
 from .errors import ConfigError, DataNotFoundError
 
-PREFIX = {"query": "backbone.", "key": "key_backbone."}
+PREFIX = {"query": ("backbone.",), "key": ("key_backbone.", "target_backbone.")}
+ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width")  # build_backbone's arguments
 
 
 def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] = "query") -> dict[str, torch.Tensor]:
@@ -36,19 +41,80 @@ def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] 
             "a .ckpt file written by `moco-lightning fit` (under <run>/checkpoints/)"
         ) from None
     if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
-        raise ConfigError(f"{path} is not a moco-lightning MoCo checkpoint (no 'moco_lightning' / 'state_dict' entry)")
-    prefix = PREFIX[encoder]
-    state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    if not state:
-        raise ConfigError(f"{path}: no '{prefix}*' weights in the checkpoint's state_dict")
-    return state
+        raise ConfigError(
+            f"{path} is not a checkpoint of moco-lightning pretraining (no 'moco_lightning' / 'state_dict' entry)"
+        )
+    for prefix in PREFIX[encoder]:
+        state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+        if state:
+            break
+    else:
+        raise ConfigError(f"{path}: no {' or '.join(p + '*' for p in PREFIX[encoder])} weights in its state_dict")
+    described = OrderedDict(state)
+    architecture = describe(checkpoint.get("hyper_parameters") or {})
+    if architecture is not None:
+        described._metadata = OrderedDict({DESCRIPTION: architecture})  # type: ignore[attr-defined]
+    return described
+
+
+DESCRIPTION = "moco_lightning"  # the key of the architecture in an export's _metadata
+
+
+def describe(hparams: dict) -> Optional[dict]:
+    """The architecture a checkpoint's hyper-parameters name (None for a backbone module of the user's own)."""
+    if not isinstance(hparams.get("backbone"), str):
+        return None
+    return {k: hparams[k] for k in ARCHITECTURE if k in hparams}
+
+
+def description(state: Any) -> Optional[dict]:
+    """The architecture an exported state dict describes, or None."""
+    return (getattr(state, "_metadata", None) or {}).get(DESCRIPTION)
+
+
+def load_backbone(path: str | Path) -> nn.Module:
+    """The backbone exported to ``path`` (``moco-lightning export``), rebuilt from the file's own description and
+    loaded strictly; in train mode, as a freshly built module (call ``.eval()`` to extract features)."""
+    return load_export(path)[0]
+
+
+def load_export(path: str | Path) -> tuple[nn.Module, int]:
+    """``(backbone, feature_dim)`` of an exported file; one-line errors naming the file."""
+    from .backbones import build_backbone
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataNotFoundError(f"{path} does not exist: give the file `moco-lightning export --out` wrote")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file
+        raise ConfigError(
+            f"{path} is not an exported backbone: torch.load cannot read it ({type(e).__name__})"
+        ) from None
+    architecture = description(state) if isinstance(state, dict) else None
+    if architecture is None:
+        raise ConfigError(
+            f"{path} does not say which backbone it holds (exported before moco-lightning 0.3, or not by its export):"
+            " build the architecture yourself and load_state_dict this file into it, or export again"
+        )
+    model, dim = build_backbone(**architecture)
+    model.load_state_dict(state, strict=True)
+    return model, dim
 
 
 def export_backbone(ckpt_path: str | Path, out_path: str | Path, encoder: Literal["query", "key"] = "query") -> Path:
     """Writes :func:`backbone_state_dict` to ``out_path`` with ``torch.save``; returns the path."""
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(backbone_state_dict(ckpt_path, encoder), out)
+    state = backbone_state_dict(ckpt_path, encoder)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give a file name, e.g. {out / 'backbone.pt'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, out)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}): choose a writable path") from None
+    except RuntimeError as e:  # torch's zip writer reports an unwritable path as a RuntimeError
+        raise ConfigError(f"--out {out}: cannot write there ({str(e).split(':')[-1].strip()})") from None
     return out
 
 
@@ -64,4 +130,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         out = export_backbone(args.ckpt, args.out, args.encoder)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"moco-lightning export: error: {e}\n")
-    print(f"wrote {out} ({len(torch.load(out))} tensors, {args.encoder} encoder backbone)")
+    arch = description(torch.load(out)) or {}
+    what = ", ".join(f"{k} {v}" for k, v in arch.items()) or "architecture not recorded: a backbone module of your own"
+    print(f"wrote {out} ({len(torch.load(out))} tensors, {args.encoder} encoder backbone; {what})")

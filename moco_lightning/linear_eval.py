@@ -112,8 +112,10 @@ class LinearClassifier(LightningModule):
 
     The backbone comes from one of:
 
-    - ``ckpt_path`` alone: a MoCo checkpoint, via ``MoCo.load_from_checkpoint`` (its ``.backbone``
-      and ``.feature_dim``). MoCo pretrained with a named (torchvision) backbone only.
+    - ``ckpt_path`` alone: a checkpoint of any pretraining method here (MoCo, MoCo v3, SimCLR, BYOL, SwAV...) with
+      a named backbone: the architecture from its hyper-parameters, the weights from its ``backbone.*``; or a file
+      ``moco-lightning export`` wrote (it describes its architecture). ``backbone_state_dict`` alone: the same for
+      an exported file.
     - ``backbone`` (an ``nn.Module``, or a torchvision / ``timm:`` name built with ``cifar_stem``,
       ``in_channels``, ``image_size`` and ``width`` as in MoCo) with, optionally, its weights from ``ckpt_path``
       (the ``backbone.*`` entries of a MoCo checkpoint: use this for MoCo pretrained with a module
@@ -183,10 +185,14 @@ class LinearClassifier(LightningModule):
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         self.finetune = bool(finetune or from_scratch)
         if backbone is None:
-            if ckpt_path is None:
-                raise ConfigError("LinearClassifier needs a backbone: pass ckpt_path (a MoCo checkpoint) or backbone")
-            build = self._architecture_of_checkpoint if from_scratch else self._from_moco_checkpoint
-            self.backbone, dim = build(ckpt_path)
+            source = ckpt_path if ckpt_path is not None else backbone_state_dict
+            if source is None:
+                raise ConfigError(
+                    "LinearClassifier needs a backbone: set model.ckpt_path (a checkpoint of pretraining) or "
+                    "model.backbone_state_dict (a file `moco-lightning export` wrote), or model.backbone"
+                )
+            build = self._architecture_of_checkpoint if from_scratch else self._from_checkpoint
+            self.backbone, dim = build(source)
         else:
             if isinstance(backbone, nn.Module) and feature_dim is not None:
                 self.backbone, dim = backbone, feature_dim
@@ -204,32 +210,38 @@ class LinearClassifier(LightningModule):
             self._build_head(num_classes)
 
     @staticmethod
-    def _from_moco_checkpoint(path: str) -> tuple[nn.Module, int]:
-        from .moco import MoCo
+    def _from_checkpoint(path: str) -> tuple[nn.Module, int]:
+        """The pretrained backbone of a checkpoint of any pretraining method of this library (its architecture from the
+        hyper-parameters, its weights from ``backbone.*``), or of a file ``moco-lightning export`` wrote."""
+        from .export import backbone_state_dict, describe, description, load_export
 
-        _read_checkpoint(path)  # a clear error when the file is missing
-        try:
-            with _own_hyperparameters():
-                # a checkpoint this library wrote (it holds the RNG states, numpy's included: not weights-only)
-                moco = MoCo.load_from_checkpoint(path, map_location="cpu", weights_only=False)
-        except (TypeError, RuntimeError) as e:  # MoCo saved with an nn.Module backbone: not in its hyper-parameters
+        obj = _read_checkpoint(path)  # a clear error when the file is missing
+        if description(obj) is not None:
+            return load_export(path)
+        architecture = describe(obj.get("hyper_parameters") or {}) if isinstance(obj, dict) else None
+        if architecture is None:
             raise ConfigError(
-                f"{path}: could not rebuild MoCo from its checkpoint ({e}). If it was pretrained with a backbone "
-                "module of your own, pass that module as `backbone` together with `ckpt_path`"
-            ) from e
-        return moco.backbone, moco.feature_dim
+                f"{path}: the checkpoint does not name its backbone (pretrained with a backbone module of your own, or "
+                "not a checkpoint of this library): pass that module as `backbone` together with `ckpt_path`"
+            )
+        backbone, dim = build_backbone(**architecture)
+        backbone.load_state_dict(backbone_state_dict(path), strict=True)
+        return backbone, dim
 
     @staticmethod
     def _architecture_of_checkpoint(path: str) -> tuple[nn.Module, int]:
-        """The backbone a MoCo checkpoint was pretrained with, rebuilt from its hyper-parameters, random weights."""
-        hp = _read_checkpoint(path).get("hyper_parameters", {}) if path else {}
-        if not isinstance(hp.get("backbone"), str):
+        """The backbone a checkpoint (or an export) was pretrained with, rebuilt from its description, random
+        weights."""
+        from .export import describe, description
+
+        obj = _read_checkpoint(path) if path else {}
+        architecture = description(obj) or describe(obj.get("hyper_parameters") or {} if isinstance(obj, dict) else {})
+        if architecture is None:
             raise ConfigError(
                 f"{path}: from_scratch rebuilds the backbone from the checkpoint's hyper-parameters, but it names "
                 "none (a backbone module of your own): pass that module as `backbone` instead"
             )
-        args = {k: hp[k] for k in ("cifar_stem", "in_channels", "image_size", "width") if k in hp}
-        return build_backbone(hp["backbone"], **args)
+        return build_backbone(**architecture)
 
     def _build_head(self, num_classes: int) -> None:
         self.hparams.num_classes = int(num_classes)  # so a checkpoint of this module rebuilds the head

@@ -246,6 +246,29 @@ def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tm
     saved = torch.load(exported)
     assert all(torch.equal(v, saved[k]) for k, v in model.backbone.state_dict().items())
 
+    # the file says what it holds: the export alone rebuilds it (no backbone settings, no ckpt_path null)
+    alone = LinearClassifier(backbone_state_dict=str(exported), num_classes=10)
+    assert alone.feature_dim == 256 and alone.backbone.layer4[0].conv1.out_channels == 256
+    assert all(torch.equal(v, saved[k]) for k, v in alone.backbone.state_dict().items())
+    assert LinearClassifier(ckpt_path=str(exported), num_classes=10).feature_dim == 256
+
+
+@pytest.mark.parametrize("method", ["SimCLR", "MoCoV3"])
+def test_a_checkpoint_of_another_method_is_linearly_evaluated(seeded, tmp_path, method):
+    """Not only MoCo: any pretraining method's checkpoint gives its backbone (it was a 90-line traceback)."""
+    import moco_lightning
+
+    from conftest import cpu_trainer, tiny_data
+
+    cls = getattr(moco_lightning, method)
+    pre = cls(backbone="resnet18", width=0.25, in_channels=1, image_size=28, hidden_dim=16, dim=8)
+    t = cpu_trainer(max_steps=1, limit_val_batches=0)
+    t.fit(pre, tiny_data())
+    t.save_checkpoint(tmp_path / "pre.ckpt")
+    model = LinearClassifier(ckpt_path=str(tmp_path / "pre.ckpt"), num_classes=10)
+    assert model.feature_dim == 128
+    assert all(torch.equal(v, pre.backbone.state_dict()[k]) for k, v in model.backbone.state_dict().items())
+
 
 # --- low labels, fine-tuning, from scratch --------------------------------------------------------------------
 def test_balanced_subset_is_class_stratified_seeded_and_checked():

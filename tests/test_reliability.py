@@ -230,3 +230,40 @@ def test_exported_backbone_loads_strictly_into_torchvision_and_gives_the_same_fe
         timeout=120,
     )
     assert missing.returncode == 2 and "nope.ckpt does not exist" in missing.stderr
+    for out, says in ((tmp_path, "is a directory"), (Path("/proc/no/backbone.pt"), "cannot write there")):
+        bad = subprocess.run(
+            [sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(ckpt), "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bad.returncode == 2 and says in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_an_export_says_what_it_holds_and_load_backbone_rebuilds_it(seeded, tmp_path):
+    """The quickstart's narrow grayscale ResNet-18: torchvision's resnet18() does not fit it, load_backbone does,
+    from the file alone (its _metadata names backbone, width, channels, stem), giving the module's features."""
+    from moco_lightning import load_backbone
+
+    model = MoCo(
+        backbone="resnet18", width=0.5, in_channels=1, image_size=28, queue_size=16, dim=8, hidden_dim=16, bn_splits=2
+    )
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, tiny_data(batch_size=8, train_subset=16, val_subset=8))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    out = export_backbone(tmp_path / "m.ckpt", tmp_path / "backbone.pt")
+    state = torch.load(out)
+    assert state._metadata["moco_lightning"] == {
+        "backbone": "resnet18",
+        "cifar_stem": False,
+        "in_channels": 1,
+        "image_size": 28,
+        "width": 0.5,
+    }
+    backbone = load_backbone(out).eval()
+    model.eval()
+    x = torch.randn(2, 1, 28, 28)
+    assert torch.equal(backbone(x), model(x))
+    torch.save(dict(state), tmp_path / "plain.pt")  # a state dict without the description
+    with pytest.raises(ValueError, match="does not say which backbone it holds"):
+        load_backbone(tmp_path / "plain.pt")
