@@ -280,6 +280,75 @@ def _plain(value: Any) -> Any:
     return value
 
 
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+DESCRIPTION = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR, BYOL, SwAV) with Lightning.
+
+  moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
+  moco-lightning fit --config ... --ckpt_path last              resume the newest run
+  moco-lightning export --ckpt last.ckpt --out backbone.pt      the backbone as a state dict (export --help)
+  python -m moco_lightning.linear_eval fit --config configs/linear_eval.yaml --model.ckpt_path last.ckpt
+"""
+
+
+def _help_formatter() -> type:
+    import argparse
+
+    from jsonargparse import DefaultHelpFormatter
+
+    class HelpFormatter(DefaultHelpFormatter):
+        """jsonargparse's, keeping the description's line breaks (its examples)."""
+
+        _fill_text = argparse.RawDescriptionHelpFormatter._fill_text
+
+    return HelpFormatter
+
+
+_HelpFormatter = _help_formatter()
+
+
+def condense_parser_error(message: str) -> str:
+    """jsonargparse's nested report of a bad setting as one line: the setting's dotted name and what is wrong
+    (a wrong type, an unknown option with the closest accepted names), without the alternatives of its Union."""
+    import difflib
+    import re
+
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    keys, detail, cls = [], lines[0] if lines else message, None
+    for i, line in enumerate(lines):
+        if line.startswith("- Expected a <class 'NoneType'>"):
+            break  # the other member of the Optional: not what the user meant
+        m = re.match(r'(?:- )?Parser key "([^"]+)":\s*(.*)', line)
+        if m:
+            keys.append(m.group(1))
+            detail = m.group(2) or (lines[i + 1] if i + 1 < len(lines) else "")
+        m = re.search(r"given class_path '([^']+)'", line)
+        if m:
+            cls = m.group(1)
+        m = re.match(r"Option '([^']+)' is not accepted", line)
+        if m:
+            keys.append(m.group(1))
+            detail = "not an argument of " + (cls or "this class") + _closest(m.group(1), cls, difflib)
+            break
+    return f"{'.'.join(keys)}: {detail}" if keys else detail
+
+
+def _closest(name: str, class_path: Optional[str], difflib: Any) -> str:
+    """ ", did you mean ...?" from the constructor arguments of ``class_path`` (and its bases), or ""."""
+    import importlib
+    import inspect
+
+    if not class_path:
+        return ""
+    try:
+        module, _, attr = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return ""
+    names = {p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters}
+    close = difflib.get_close_matches(name, sorted(names - {"self", "args", "kwargs"}), n=3)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["export"]:
@@ -294,8 +363,15 @@ def run_cli(
 ) -> Optional[MoCoCLI]:
     """Lightning's CLI over any subclass of ``model_class`` (``model: class_path: moco_lightning.MoCoV3``; without a
     class_path, ``default_model``, else ``model_class`` itself) and any datamodule (``data: class_path: ...``)."""
+    from argparse import ArgumentError
+
     from moco_lightning.datamodules.image_folder import BadImageError
 
+    module = "moco_lightning.linear_eval" if model_class.__module__ == "__main__" else model_class.__module__
+    prog = "moco-lightning" if default_model is MoCo else f"python -m {module}"
+    argv = sys.argv[1:] if args is None else args
+    sub = next((a for a in argv if a in SUBCOMMANDS), None)
+    no_exit = {"exit_on_error": False}  # a parse error is raised to here, not printed after 60 lines of usage
     try:
         return MoCoCLI(
             model_class,
@@ -304,16 +380,27 @@ def run_cli(
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={
+                **no_exit,
+                "description": DESCRIPTION if default_model is MoCo else None,
+                "formatter_class": _HelpFormatter,
+                "prog": prog,
+                **{name: no_exit for name in SUBCOMMANDS},
+            },
             args=args,
         )
+    except ArgumentError as e:
+        if os.environ.get("MOCO_LIGHTNING_DEBUG"):
+            raise
+        command = f"{prog} {sub}" if sub else prog
+        sys.stderr.write(f"{command}: error: {condense_parser_error(str(e))}\n  ({command} --help lists the options)\n")
+        sys.exit(2)
     except Exception as e:
         cause = e  # jsonargparse wraps a constructor's error in its own ValueError: look down the chain
         while cause is not None and not isinstance(cause, (ConfigError, BadImageError)):
             cause = cause.__cause__ or cause.__context__
         if cause is None or os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
-        module = "moco_lightning.linear_eval" if model_class.__module__ == "__main__" else model_class.__module__
-        prog = "moco-lightning" if default_model is MoCo else f"python -m {module}"
         sys.stderr.write(f"{prog}: error: {cause}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
         sys.exit(2)
 

@@ -318,3 +318,35 @@ def test_optimizer_flags_are_refused_and_no_logger_prints_no_tensorboard_line(tm
             default_model=MoCo)  # fmt: skip
     out = capsys.readouterr().out
     assert "Final metrics:" in out and "TensorBoard" not in out
+
+
+@pytest.mark.parametrize(
+    "flag, line",
+    [
+        ("--model.lr=abc", "moco-lightning fit: error: model.lr: Expected a <class 'float'>. Got value: abc"),
+        (
+            "--model.lrr=1",
+            "moco-lightning fit: error: model.lrr: not an argument of moco_lightning.MoCo; did you mean lr?",
+        ),
+        ("--data.init_args.batch_size=x", "moco-lightning fit: error: data.batch_size: Expected a <class 'int'>."),
+    ],
+)
+def test_a_wrong_type_or_unknown_key_is_one_line_first_not_after_the_usage(flag, line, capsys):
+    """It was ~60 lines of usage and then a nested report naming the Union's alternatives."""
+    from moco_lightning.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 2, err
+    assert err[0].startswith(line) and err[1] == "  (moco-lightning fit --help lists the options)"
+
+
+def test_help_names_every_command_export_included(capsys):
+    from moco_lightning.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: moco-lightning ") and "moco-lightning export --ckpt" in out
+    assert "moco_lightning.linear_eval fit" in out
