@@ -221,6 +221,8 @@ class KNNMonitor(Callback):
 
     Attributes:
         history: ``[(global_step, acc1), ...]`` of every evaluation, kept in checkpoints.
+        measured_at: ``{metric name: global_step}`` of the latest evaluation of each metric (the CLI's final table
+            says when a number was measured: with ``every_n_epochs`` 2 and one epoch, ``val/knn_acc1`` is step 0's).
     """
 
     def __init__(
@@ -253,6 +255,7 @@ class KNNMonitor(Callback):
         self.bank_dataloader, self.val_dataloader = bank_dataloader, val_dataloader
         self.pixel_baseline = pixel_baseline
         self.history: list[tuple[int, float]] = []
+        self.measured_at: dict[str, int] = {}  # metric name -> global_step of its latest evaluation
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule, pixels: bool = False) -> dict[str, float]:
         """Runs the kNN evaluation now; returns ``{name: accuracy in [0, 1]}`` and records it in ``history``
@@ -277,6 +280,7 @@ class KNNMonitor(Callback):
         }
         if not pixels:
             self.history.append((trainer.global_step, metrics[f"{self.log_prefix}/knn_acc1"]))
+        self.measured_at.update({name: trainer.global_step for name in metrics})
         return metrics
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -286,6 +290,7 @@ class KNNMonitor(Callback):
             if self.pixel_baseline:
                 metrics.update({f"{name}_init": value for name, value in metrics.items()})
                 metrics.update(self.evaluate(trainer, pl_module, pixels=True))
+                self.measured_at.update({name: 0 for name in metrics})
             log_now(trainer, metrics)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -168,7 +168,10 @@ class BadImageError(RuntimeError):
         scanned: int = 0,
     ) -> None:
         self.path, self.cause, self.found = path, cause, list(found) or [(path, cause)]
-        if cause is None:  # re-raised from a DataLoader worker: the message alone
+        if cause is None:  # re-raised from a DataLoader worker: the message alone, without the worker's traceback
+            if "Original Traceback" in path:
+                last = [line for line in path.splitlines() if line.strip()][-1]
+                path = last.split("BadImageError: ", 1)[-1]
             super().__init__(path)
             return
         names = "; ".join(f"{p}: cannot be read as an image ({type(c).__name__}: {c})" for p, c in self.found)

@@ -100,10 +100,7 @@ class MoCoCLI(LightningCLI):
         if not self.trainer.is_global_zero:
             return
         if metrics:
-            width = max(map(len, metrics))
-            print("\nFinal metrics:")
-            for name, value in metrics.items():
-                print(f"  {name:<{width}}  {value:.4g}")
+            print(final_metrics_table(metrics, self.trainer))
         skipped = getattr(self.datamodule, "bad_images", None)
         if skipped:
             print(
@@ -112,6 +109,26 @@ class MoCoCLI(LightningCLI):
             )
         if metrics and log_dir and self.trainer.logger is not None:
             print(f"TensorBoard: tensorboard --logdir {log_dir}")
+
+
+def final_metrics_table(metrics: dict, trainer: Any) -> str:
+    """The metrics at the end of fit, each evaluation metric with the step it was measured at when that is not the
+    last one (a kNN monitor that ran only at step 0 reports the random-init encoder: say so)."""
+    measured: dict = {}
+    for callback in trainer.callbacks:
+        measured.update(getattr(callback, "measured_at", None) or {})
+    step, width = trainer.global_step, max(map(len, metrics))
+    lines = [f"\nFinal metrics (at step {step}):"]
+    for name, value in metrics.items():
+        at = measured.get(name)
+        if at is None or at == step:
+            when = ""
+        elif at == 0:
+            when = "  (step 0: before training)"
+        else:
+            when = f"  (measured at step {at})"
+        lines.append(f"  {name:<{width}}  {value:.4g}{when}")
+    return "\n".join(lines)
 
 
 def read_checkpoint(path: str) -> dict:

@@ -317,7 +317,7 @@ def test_optimizer_flags_are_refused_and_no_logger_prints_no_tensorboard_line(tm
     run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--trainer.logger=false", "--trainer.callbacks=[]"],
             default_model=MoCo)  # fmt: skip
     out = capsys.readouterr().out
-    assert "Final metrics:" in out and "TensorBoard" not in out
+    assert "Final metrics (at step " in out and "TensorBoard" not in out
 
 
 @pytest.mark.parametrize(
@@ -350,3 +350,22 @@ def test_help_names_every_command_export_included(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: moco-lightning ") and "moco-lightning export --ckpt" in out
     assert "moco_lightning.linear_eval fit" in out
+
+
+def test_final_metrics_say_when_a_knn_number_was_measured(seeded):
+    """every_n_epochs 2 in a 1-epoch run: val/knn_acc1 is the random-init baseline; the table says so."""
+    import torch
+
+    from moco_lightning.callbacks import KNNMonitor
+    from moco_lightning.cli import final_metrics_table
+
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+
+    trainer = cpu_trainer(max_epochs=1, limit_val_batches=0, callbacks=[KNNMonitor(every_n_epochs=2, k=5)])
+    trainer.fit(tiny_moco(), tiny_data())
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if isinstance(v, torch.Tensor)}
+    table = final_metrics_table(metrics, trainer).splitlines()
+    assert table[1] == "Final metrics (at step 4):"
+    knn = next(line for line in table if "val/knn_acc1" in line)
+    assert knn.endswith("(step 0: before training)")
+    assert not next(line for line in table if "train/loss" in line).endswith(")")

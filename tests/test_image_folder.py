@@ -197,6 +197,13 @@ def test_corrupt_image_error_names_the_file(tmp_path):
         BadImageError, match=r"train/(cat/truncated|dog/corrupt).jpg: cannot be read as an image.*skip_bad_images=true"
     ):
         next(iter(dm.train_dataloader()))
+    workers = ImageFolderDataModule(str(tmp_path), batch_size=14, image_size=16, num_workers=2)
+    workers.setup()
+    with pytest.raises(BadImageError) as raised:  # from a worker process: the message, not the worker's traceback
+        next(iter(workers.train_dataloader()))
+    message = str(raised.value)
+    assert "Traceback" not in message and "\n" not in message
+    assert message.startswith(str(tmp_path)) and "corrupt.jpg: cannot be read as an image" in message
     with pytest.raises(BadImageError, match=r"truncated.jpg: cannot be read"):
         load_image(str(tmp_path / "train" / "cat" / "truncated.jpg"))
     with pytest.raises(BadImageError, match=r"corrupt.jpg: cannot be read"):
