@@ -72,7 +72,13 @@ def _read_checkpoint(path: str) -> Any:
             f"checkpoint {path!r} not found: set model.ckpt_path (or model.backbone_state_dict) to a file written "
             "by pretraining, e.g. runs/<name>/version_0/checkpoints/<epoch=...>.ckpt"
         )
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a torn, empty or text file: EOFError, RuntimeError, UnpicklingError...
+        raise ConfigError(
+            f"{path}: not a readable checkpoint or export ({os.path.getsize(path)} bytes; {type(e).__name__}): a save "
+            "interrupted by a kill or a full disk leaves such a file; give an earlier checkpoint of the run"
+        ) from None
 
 
 def load_backbone_weights(backbone: nn.Module, path: str) -> None:

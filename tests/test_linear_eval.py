@@ -3,6 +3,7 @@ backbones loaded from MoCo checkpoints, and the command line with configs/linear
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -402,3 +403,15 @@ def main_cli(path: Path, root: Path, config: Path, *extra: str):
             *extra,
         ],
     )
+
+
+@pytest.mark.parametrize("content", [b"", b"notes", b"PK\x03\x04 torn"])
+def test_a_torn_empty_or_text_checkpoint_is_one_error_naming_the_file(tmp_path, content):
+    from moco_lightning.errors import ConfigError
+
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(content)
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(bad))}: not a readable checkpoint or export \({len(content)}"
+    ):
+        LinearClassifier(ckpt_path=str(bad), num_classes=10)
