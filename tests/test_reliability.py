@@ -33,6 +33,7 @@ trainer:
 {kill}
 model:
   backbone: resnet18
+  width: 0.25
   in_channels: 1
   image_size: 28
   hidden_dim: 32
@@ -48,7 +49,9 @@ data:
 
 def cli(config: Path, *extra: str):
     exe = [sys.executable, "-m", "moco_lightning", "fit", "--config", str(config), *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), PYTHONUNBUFFERED="1")
+    # one thread in every run: conftest (imported by a run that uses KillAt) sets the thread count under xdist, and
+    # runs with other thread counts sum their floats in another order (not bit-equal)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return exe, env
 
 
