@@ -19,7 +19,8 @@ What only a GPU can show, each printed as one line (``check: result``):
   images/s of (a) the bare encoder work on views already on the GPU, (b) the full ``fit`` step on those views,
   (c) the data path alone over a generated JPEG folder: PIL workers (crops in the workers, colour batched on the
   GPU) vs DALI (``device="mixed"``: nvJPEG), (d) ``fit`` with each data path. Goal: (d) with DALI >= 0.9 of (a).
-- ``ddp_queue``: with 2 or more GPUs, a few DDP (NCCL) steps; the queue must be identical on every rank.
+- ``ddp_queue``: 2 DDP processes started with spawn (NCCL on 2 or more GPUs; gloo on the CPU, which the tests run):
+  everything is pickled into them, and the queue must be identical on every rank.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ import warnings
 from typing import Callable
 
 import torch
+from lightning.pytorch import Callback
 from torch import nn
+
+from moco_lightning.datamodules import InMemoryDataModule
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,21 +50,38 @@ SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
 }  # fmt: skip
 
 
+class Synthetic(InMemoryDataModule):
+    """Random uint8 images in memory. Module-level (as every class of this check), so that
+    ``DDPStrategy(start_method="spawn")`` can pickle the trainer and the datamodule into its processes."""
+
+    num_classes = 10
+
+    def __init__(self, settings, images: int, image: int, batch: int, channels: int = 3) -> None:
+        self.in_channels, self.mean, self.std = channels, (0.5,) * channels, (0.25,) * channels
+        self.n_images, self.side = images, image
+        super().__init__(settings, batch_size=batch, image_size=image)
+
+    def load_split(self, split: str):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        n = self.n_images if split == "train" else self.batch_size * 2
+        images = torch.randint(0, 256, (n, self.in_channels, self.side, self.side), generator=g, dtype=torch.uint8)
+        return images, torch.randint(0, 10, (n,), generator=g)
+
+
+class SaveQueue(Callback):
+    """Writes each rank's queue at the end of training."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(pl_module.queue.keys.cpu(), os.path.join(self.folder, f"q{trainer.global_rank}.pt"))
+
+
 def synthetic_datamodule(size: dict, channels: int = 3):
-    from moco_lightning.datamodules import InMemoryDataModule, view_settings
+    from moco_lightning.datamodules import view_settings
 
-    class Synthetic(InMemoryDataModule):
-        num_classes, in_channels = 10, channels
-        mean, std = (0.5,) * channels, (0.25,) * channels
-
-        def load_split(self, split: str):
-            g = torch.Generator().manual_seed(0 if split == "train" else 1)
-            n = size["images"] if split == "train" else size["batch"] * 2
-            return torch.randint(
-                0, 256, (n, channels, size["image"], size["image"]), generator=g, dtype=torch.uint8
-            ), torch.randint(0, 10, (n,), generator=g)
-
-    return Synthetic(view_settings("moco_v2", size["image"]), batch_size=size["batch"], image_size=size["image"])
+    return Synthetic(view_settings("moco_v2", size["image"]), size["images"], size["image"], size["batch"], channels)
 
 
 def moco(size: dict, **kw):
@@ -319,22 +340,18 @@ def check_throughput(device: str, size: dict) -> str:
 
 
 def check_ddp_queue(device: str, size: dict) -> str:
-    if device != "cuda" or torch.cuda.device_count() < 2:
-        return f"n/a (needs 2 or more GPUs; {torch.cuda.device_count() if device == 'cuda' else 0} here)"
-    import lightning.pytorch as pl
+    """2 DDP processes started with spawn (what a multi-GPU node needs): NCCL on GPUs, gloo on the CPU."""
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        return f"n/a (needs 2 or more GPUs; {torch.cuda.device_count()} here)"
     from lightning.pytorch.strategies import DDPStrategy
 
     with tempfile.TemporaryDirectory() as tmp:
-
-        class Save(pl.Callback):
-            def on_train_end(self, trainer, pl_module):
-                torch.save(pl_module.queue.keys.cpu(), os.path.join(tmp, f"q{trainer.global_rank}.pt"))
-
-        strategy = DDPStrategy(start_method="spawn")
-        ddp = trainer(device, size["steps"], devices=2, strategy=strategy, callbacks=[Save()], precision="32-true")
-        ddp.fit(moco(size), synthetic_datamodule(size))
+        strategy = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+        ddp = trainer(device, size["steps"], devices=2, strategy=strategy, callbacks=[SaveQueue(tmp)])
+        ddp.fit(moco(size, shuffle_bn="ddp"), synthetic_datamodule(size))
         q0, q1 = (torch.load(os.path.join(tmp, f"q{r}.pt")) for r in (0, 1))
-        return f"2 ranks x {size['steps']} steps (NCCL): queues identical: {torch.equal(q0, q1)}"
+        backend = "NCCL" if device == "cuda" else "gloo"
+        return f"2 ranks x {size['steps']} steps (spawn, {backend}): queues identical: {torch.equal(q0, q1)}"
 
 
 def sync(device: str) -> None:

@@ -165,6 +165,20 @@ class ViT(torchvision.models.VisionTransformer):
         self.heads = nn.Identity()
 
 
+class NarrowResNet(torchvision.models.ResNet):
+    """torchvision's ResNet with every stage ``width`` times as wide. At module level: a model is pickled into the
+    processes of ``DDPStrategy(start_method="spawn")`` (a class defined in a function cannot be)."""
+
+    def __init__(self, block: type, layers: list, width: float) -> None:
+        self.width = width  # read by _make_layer, which ResNet.__init__ calls
+        super().__init__(block, layers)
+
+    def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # noqa: ANN001 - torchvision's signature
+        if planes == 64:  # the first stage: its input is the (narrow) stem
+            self.inplanes = max(1, round(64 * self.width))
+        return super()._make_layer(block, max(1, round(planes * self.width)), blocks, stride, dilate)
+
+
 def _narrow_resnet(name: str, width: float) -> nn.Module:
     """torchvision's ResNet ``name`` with every stage ``width`` times as wide (same code, same state-dict keys)."""
     if not (name.startswith("resnet") and name[6:].isdigit()):
@@ -173,13 +187,7 @@ def _narrow_resnet(name: str, width: float) -> nn.Module:
     block = type(reference.layer1[0])
     layers = [len(getattr(reference, f"layer{i}")) for i in range(1, 5)]
 
-    class NarrowResNet(torchvision.models.ResNet):
-        def _make_layer(self, block, planes, blocks, stride=1, dilate=False):  # noqa: ANN001 - torchvision's signature
-            if planes == 64:  # the first stage: its input is the (narrow) stem
-                self.inplanes = max(1, round(64 * width))
-            return super()._make_layer(block, max(1, round(planes * width)), blocks, stride, dilate)
-
-    model = NarrowResNet(block, layers)
+    model = NarrowResNet(block, layers, width)
     stem = max(1, round(64 * width))
     model.conv1 = nn.Conv2d(3, stem, 7, 2, 3, bias=False)
     model.bn1 = nn.BatchNorm2d(stem)

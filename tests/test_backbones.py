@@ -68,3 +68,14 @@ def test_timm_errors_name_the_model_and_the_fix():
         build_backbone("timm:resnet_does_not_exist")
     with pytest.raises(ValueError, match="width=0.5 applies to torchvision's resnetNN"):
         build_backbone("timm:resnet10t", width=0.5)
+
+
+def test_a_narrow_resnet_pickles_for_spawned_ddp_processes():
+    """DDPStrategy(start_method="spawn") pickles the model: the narrow ResNet's class was local to a function
+    ("Can't pickle local object '_narrow_resnet.<locals>.NarrowResNet'"; found by gpu_check's spawn run)."""
+    import pickle
+
+    model = build_backbone("resnet18", width=0.5, in_channels=1)[0].eval()
+    again = pickle.loads(pickle.dumps(model))
+    x = torch.randn(2, 1, 32, 32)
+    assert torch.equal(again(x), model(x)) and again.layer4[0].conv1.out_channels == 256

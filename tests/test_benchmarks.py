@@ -25,6 +25,8 @@ def test_gpu_check_runs_on_the_cpu():
     assert set(lines) >= {"fit", "syncs", "split_bn", "bf16_logits", "knn_memory", "checkpoint"}
     assert not any(v.startswith("FAILED") for v in lines.values()), lines
     assert "queue torch.float32" in lines["fit"] and "ours 0.00e+00" in lines["bf16_logits"]
+    # the multi-GPU path on the CPU: 2 processes started with spawn (everything pickled), gloo
+    assert "(spawn, gloo): queues identical: True" in lines["ddp_queue"]
 
 
 def test_quality_compares_configs_and_the_reference(tmp_path):
