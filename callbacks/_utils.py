@@ -141,8 +141,10 @@ def embed(
     gather: bool = True,
     normalize: bool = True,
     forward_context: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tuple[Tensor, Tensor]:
-    """Features ``module(x)`` (float32, L2-normalised if ``normalize``) and targets of a loader.
+    """Features ``module(x)`` (L2-normalised in float32 if ``normalize``, then kept as ``dtype`` batch by batch:
+    a bfloat16 bank never exists in float32, so its peak memory is half the float32 one) and targets of a loader.
 
     The module runs in eval mode under ``no_grad`` (every submodule's mode restored afterwards),
     batch by batch, keeping features only. Under DDP each rank embeds its own shard and, with
@@ -157,14 +159,14 @@ def embed(
             with ctx():
                 f = module(x.to(device, non_blocking=True))
             f = f.float().flatten(1)
-            feats.append(torch.nn.functional.normalize(f, dim=1) if normalize else f)
+            feats.append((torch.nn.functional.normalize(f, dim=1) if normalize else f).to(dtype))
             targets.append(torch.as_tensor(y).to(device).long())
     dim = feats[0].shape[1] if feats else 0
     if ws > 1:  # a rank left without samples still needs the feature size for the gather
         d = torch.tensor([dim], device=device)
         dist.all_reduce(d, op=dist.ReduceOp.MAX)
         dim = int(d)
-    f = torch.cat(feats) if feats else torch.empty(0, dim, device=device)
+    f = torch.cat(feats) if feats else torch.empty(0, dim, device=device, dtype=dtype)
     t = torch.cat(targets) if targets else torch.empty(0, dtype=torch.long, device=device)
     if gather and ws > 1:
         f, t = concat_all_gather(f), concat_all_gather(t)

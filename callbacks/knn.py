@@ -171,9 +171,8 @@ def knn_accuracy(
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
     bank, bank_targets = embed(
-        module, bank_loader, device, limit=max_bank_size, gather=False, forward_context=forward_ctx
+        module, bank_loader, device, limit=max_bank_size, gather=False, forward_context=forward_ctx, dtype=bank_dtype
     )
-    bank = bank.to(bank_dtype)
     top = bank_targets.max().reshape(1) if bank_targets.numel() else torch.full((1,), -1, device=bank_targets.device)
     top = int(max_across_ranks(top))
     if num_classes is None:

@@ -228,3 +228,26 @@ def test_pixel_baseline_is_logged_once_beside_the_encoder(seeded):
     final = t.callback_metrics  # what the CLI's final table prints: the three side by side
     assert {"val/knn_acc1", "val/knn_acc1_init", "val/knn_acc1_pixels"} <= set(final)
     assert float(final["val/knn_acc1"]) == pytest.approx(monitor.history[1][1])
+
+
+def test_a_bfloat16_bank_is_never_held_in_float32(monkeypatch):
+    """The bank's batches are cast as they are embedded: the concatenation that makes the bank joins bf16 pieces, and
+    no float32 tensor of the bank's rows is ever made, so its peak is half the float32 bank's (it was embedded in
+    float32, concatenated, then cast: ~2x the float32 bank)."""
+    calls = []  # (dtype, rows) of each concatenation of 2-d float tensors
+    original = torch.cat
+
+    def recording(tensors, *args, **kwargs):
+        floats = [t for t in tensors if t.is_floating_point() and t.ndim == 2]
+        if floats:
+            calls.append(({t.dtype for t in floats}, sum(t.shape[0] for t in floats)))
+        return original(tensors, *args, **kwargs)
+
+    bank_loader, val_loader = loaders()
+    rows = len(bank_loader.dataset)
+    monkeypatch.setattr(torch, "cat", recording)
+    bf16 = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10, bank_dtype=torch.bfloat16)
+    monkeypatch.setattr(torch, "cat", original)
+    assert ({torch.bfloat16}, rows) in calls and not [c for c in calls if c[1] == rows and torch.float32 in c[0]]
+    fp32 = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10)
+    assert abs(bf16["acc1"] - fp32["acc1"]) <= 1 / fp32["total"]  # the same votes, up to a tie
