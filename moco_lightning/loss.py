@@ -5,8 +5,8 @@
 computed as a cross-entropy over the logits ``[q·k₊, q·queue] / τ`` with label 0 (Algorithm 1).
 With no queue, the negatives are the other keys of the global batch: the keys of all DDP ranks, the positive of
 this rank's i-th query at column ``offset + i`` (MoCo v3, Chen, Xie, He 2021, Algorithm 1, and the paper's
-end-to-end mechanism). Also BYOL's normalised MSE (:func:`normalized_mse`); SimCLR's NT-Xent and SwAV's
-swapped prediction are lightly's ``NTXentLoss`` and ``SwaVLoss``.
+end-to-end mechanism). Also BYOL's normalised MSE (:func:`normalized_mse`) and SimCLR's NT-Xent (:func:`nt_xent`,
+equal to lightly's ``NTXentLoss`` without its host syncs); SwAV's swapped prediction is lightly's ``SwaVLoss``.
 """
 
 from __future__ import annotations
@@ -60,3 +60,41 @@ def info_nce(
 def normalized_mse(p: Tensor, z: Tensor) -> Tensor:
     """BYOL's loss ‖p/‖p‖ − z/‖z‖‖² = 2 − 2·cos(p, z), averaged over the batch; ``z`` is the (detached) target."""
     return (2 - 2 * F.cosine_similarity(p, z.detach(), dim=1)).mean()
+
+
+def nt_xent(z0: Tensor, z1: Tensor, temperature: float, equal_sizes: bool = False) -> Tensor:
+    """NT-Xent (SimCLR, Chen et al. 2020, eq. 1), in fp32, over the global batch.
+
+    Each of this rank's 2n embeddings (both views) is contrasted with its other view (the positive) and every other
+    embedding of every rank (2N − 2 negatives); the embedding itself is masked out with −inf (a ``masked_fill``:
+    lightly's ``NTXentLoss`` drops it by boolean indexing, two host syncs a step). The mean over ranks of the per-rank
+    losses is the loss of the whole batch on one process, and so are the gradients: while training, the gather is
+    autograd's all-gather (its backward sums every rank's gradient for a rank's rows: an embedding is a negative of
+    the other ranks' queries too, as SimCLR's cross-replica concatenation and lightly's ``GatherLayer``), so with
+    DDP's averaging the weights get the single-process gradient.
+    """
+    z0, z1 = F.normalize(z0.float(), dim=1), F.normalize(z1.float(), dim=1)
+    k0, offset = _gather_with_grad(z0, equal_sizes)
+    k1, _ = _gather_with_grad(z1, equal_sizes)
+    n, total = z0.shape[0], k0.shape[0]
+    logits = torch.cat([z0, z1]) @ torch.cat([k0, k1]).T / temperature  # (2n, 2N): view 0 of all ranks, then view 1
+    mine = torch.arange(n, device=z0.device) + offset
+    itself = torch.cat([mine, mine + total])
+    positive = torch.cat([mine + total, mine])
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, itself[:, None], True)
+    return F.cross_entropy(logits.masked_fill(mask, float("-inf")), positive)
+
+
+def _gather_with_grad(x: Tensor, equal_sizes: bool) -> Tuple[Tensor, int]:
+    """``(rows of every rank, offset of this rank's)``, gradients flowing back to every rank's rows while training
+    (``torch.distributed.nn``'s all-gather: equal row counts, as training batches are); without gradients (validation,
+    whose last batches may be uneven), :func:`gather_keeping_local_grad`."""
+    from .distributed import rank, world_size
+
+    if world_size() == 1:
+        return x, 0
+    if torch.is_grad_enabled() and x.requires_grad:
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(x.contiguous())), rank() * x.shape[0]
+    return gather_keeping_local_grad(x, equal_sizes)

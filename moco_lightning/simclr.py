@@ -2,9 +2,9 @@
 rest of the batch.
 
 Both views of N images go through one encoder (concatenated: BatchNorm sees all 2N images, as the official code);
-NT-Xent (lightly's ``NTXentLoss``) contrasts each of the 2N embeddings with its other view (positive) and the other
-2N − 2 embeddings (negatives), gathered across ranks with gradients, so the dictionary is the global batch. It is
-MoCo's end-to-end mechanism (:class:`moco_lightning.EndToEnd`, Fig. 2a of the MoCo paper) with both views as
+NT-Xent (:func:`moco_lightning.loss.nt_xent`) contrasts each of the 2N embeddings with its other view (positive) and
+the other 2N − 2 embeddings (negatives), gathered across ranks with gradients, so the dictionary is the global batch.
+It is MoCo's end-to-end mechanism (:class:`moco_lightning.EndToEnd`, Fig. 2a of the MoCo paper) with both views as
 queries *and* as negatives: 2N − 2 negatives instead of N − 1. Every negative costs the activations of an image
 in memory, which is why SimCLR needs large batches (4096 in the paper) and MoCo's queue does not.
 """
@@ -14,12 +14,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from lightly.loss import NTXentLoss
 from lightly.models.modules.heads import SimCLRProjectionHead
 from torch import Tensor, nn
 
 from .base import Pretraining
 from .errors import check_arguments
+from .loss import nt_xent
 
 
 class SimCLR(Pretraining):
@@ -38,7 +38,11 @@ class SimCLR(Pretraining):
         super().__init__(**kwargs)
         self.record_hyperparameters(locals())
         self.projection_head = SimCLRProjectionHead(self.feature_dim, hidden_dim, dim)
-        self.criterion = NTXentLoss(temperature=temperature, gather_distributed=True)
+        self.temperature = temperature
+
+    def criterion(self, z0: Tensor, z1: Tensor) -> Tensor:
+        """NT-Xent of the two views' projections over the global batch (fp32, no host sync)."""
+        return nt_xent(z0, z1, self.temperature, self._equal_sizes)
 
     def trained_modules(self) -> list[nn.Module]:
         return [self.backbone, self.projection_head]
@@ -48,6 +52,6 @@ class SimCLR(Pretraining):
         x0, x1 = self.two_views(views)
         h = self.backbone(self._layout(torch.cat([x0, x1])))
         z0, z1 = self.projection_head(h).float().chunk(2)
-        with torch.autocast(h.device.type, enabled=False):  # lightly's einsum would give bf16 logits under autocast
+        with torch.autocast(h.device.type, enabled=False):  # the similarities in fp32 under autocast
             loss = self.criterion(z0, z1)
         return dict(loss=loss, features=h[: len(x0)].detach())
