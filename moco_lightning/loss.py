@@ -28,7 +28,8 @@ def contrastive_similarities(
     ``q``, ``k``: (N, C), L2-normalised, ``k[i]`` the positive of ``q[i]``. ``queue``: (K, C) negatives,
     or None / empty for in-batch negatives. Returns ``(sims, labels)``: with a queue ``sims`` is
     (N, 1 + K) with the positive in column 0; without, (N, global batch) against the keys of every rank
-    (gradients reach this rank's keys when ``k`` has them), the positive at ``offset + i``.
+    (when ``k`` has gradients, the end-to-end mechanism, they reach every rank's keys: see :func:`_gather_with_grad`),
+    the positive at ``offset + i``.
 
     Always in fp32 with autocast off: under bf16 autocast the products ``q @ queue.T`` would come out in bf16
     (8 bits of mantissa), every negative logit off by up to ~0.4 % before the division by T, while the
@@ -37,7 +38,7 @@ def contrastive_similarities(
     with torch.autocast(q.device.type, enabled=False):
         q, k = q.float(), k.float()
         if queue is None or queue.shape[0] == 0:
-            keys, offset = gather_keeping_local_grad(k, equal_sizes)
+            keys, offset = _gather_with_grad(k, equal_sizes)  # end-to-end: other ranks' queries' gradients too
             return q @ keys.T, torch.arange(offset, offset + q.shape[0], device=q.device)
         l_pos = (q * k).sum(dim=1, keepdim=True)
         l_neg = q @ queue.float().T

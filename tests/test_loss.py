@@ -1,4 +1,5 @@
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -76,3 +77,38 @@ def test_similarities_and_loss_are_fp32_under_bf16_autocast():
     torch.testing.assert_close(loss, reference[0], rtol=1e-6, atol=1e-6)
     # the error the fp32 path avoids: bf16 negatives are off by far more than the tolerance above
     assert (bf16_products.float() - reference[1][:, 1:]).abs().max() > 1e-3
+
+
+def _end_to_end_worker(rank: int, port: str, out_dir: str) -> None:
+    from test_distributed import gloo_rank
+
+    with gloo_rank(rank, port):
+        q, k = _end_to_end_batch()
+        mine = slice(3 * rank, 3 * rank + 3)
+        q_mine, k_mine = q[mine].clone().requires_grad_(), k[mine].clone().requires_grad_()
+        loss, _, _ = info_nce(q_mine, k_mine, None, temperature=0.2)
+        loss.backward()
+        torch.save({"loss": loss.detach(), "k_grad": k_mine.grad}, os.path.join(out_dir, f"e2e_{rank}.pt"))
+
+
+def _end_to_end_batch():
+    g = torch.Generator().manual_seed(0)
+    return F.normalize(torch.randn(6, 8, generator=g), dim=1), F.normalize(torch.randn(6, 8, generator=g), dim=1)
+
+
+def test_end_to_end_keys_get_the_single_process_gradient_on_two_ranks(tmp_path):
+    """In-batch negatives with gradients (the end-to-end mechanism): a rank's keys are negatives of the other rank's
+    queries too, so their gradient on each rank is the whole batch's (x 2: DDP averages), not only this rank's share."""
+    import torch.multiprocessing as mp
+
+    from test_distributed import free_port
+
+    mp.spawn(_end_to_end_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    q, k = _end_to_end_batch()
+    k.requires_grad_()
+    whole, _, _ = info_nce(q, k, None, temperature=0.2)
+    whole.backward()
+    ranks = [torch.load(tmp_path / f"e2e_{i}.pt") for i in (0, 1)]
+    torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, whole.detach())
+    for i in (0, 1):
+        torch.testing.assert_close(ranks[i]["k_grad"], 2 * k.grad[3 * i : 3 * i + 3])
