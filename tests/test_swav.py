@@ -81,10 +81,24 @@ def test_prototypes_are_frozen_for_the_first_epoch_then_learn(seeded):
     assert any(not torch.equal(a, b) for a, b in zip(model.backbone.parameters(), tiny(SwAV).backbone.parameters()))
 
 
-def test_multi_crop_batches_train(seeded):
+def test_multi_crop_batches_train_with_their_local_views_through_the_trainer(seeded):
+    """Through the Trainer: each step's loss gets the 2 global and 2 local views, and the local views change it (a
+    step that dropped them passed the old test, which checked only a finite loss)."""
     model = tiny(SwAV)
-    trainer = cpu_trainer(max_steps=2)
+    original, seen = model.views_loss, []
+
+    def recording(views):
+        with torch.no_grad():  # first (the prototypes are normalised in place by each call): the global views alone
+            without_local = original(views[:2])["loss"]
+        out = original(views)
+        seen.append(([tuple(v.shape[-2:]) for v in views], out["loss"].item(), without_local))
+        return out
+
+    model.views_loss = recording
+    trainer = cpu_trainer(max_steps=2, limit_val_batches=0)
     trainer.fit(model, tiny_data(local_views=2, local_size=12))
+    assert len(seen) == 2 and all(shapes == [(28, 28)] * 2 + [(12, 12)] * 2 for shapes, _, _ in seen)
+    assert all(abs(loss - without_local.item()) > 1e-4 for _, loss, without_local in seen)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
 
 
