@@ -68,19 +68,20 @@ def tiny_data(**kwargs):
     return FashionMNISTDataModule(**args)
 
 
+CPU_TRAINER = dict(  # a test's Trainer: one CPU process, one epoch, nothing written, nothing printed
+    accelerator="cpu",
+    devices=1,
+    max_epochs=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+)
+
+
 def cpu_trainer(**kwargs) -> Trainer:
-    args = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    args.update(kwargs)
-    return Trainer(**args)
+    return Trainer(**{**CPU_TRAINER, **kwargs})
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import moco_lightning.datamodules as datamodules
 from moco_lightning import MoCo
 from moco_lightning.export import export_backbone
 
-from conftest import cpu_trainer
+from conftest import CPU_TRAINER, cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
@@ -24,19 +24,7 @@ class TinyTrainer(Trainer):
     """The Trainer a README block builds, at two steps on the CPU without logs or checkpoints."""
 
     def __init__(self, **kwargs):
-        kwargs.update(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=1,
-            max_steps=2,
-            limit_val_batches=1,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        super().__init__(**kwargs)
+        super().__init__(**{**kwargs, **CPU_TRAINER, "max_steps": 2, "limit_val_batches": 1})
 
 
 class TinyFashionMNIST(datamodules.FashionMNISTDataModule):
