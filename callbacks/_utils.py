@@ -91,10 +91,22 @@ def shard(loader: Iterable, rank_: int, world: int, limit: Optional[int] = None)
     """Yields ``(images, targets)`` of this rank's disjoint share of the first ``limit`` samples.
 
     A ``DataLoader`` over a map-style dataset is rebuilt (same batch size, collate function and
-    workers) on the indices ``range(n)[rank::world]``, so each rank loads only its share. Any other
+    workers) on the indices ``range(n)[rank::world]``, so each rank loads only its share. A loader whose
+    ``rank_shard`` is ``(rank, world)`` holds that share already and is walked as it is. Any other
     iterable is walked by every rank, which keeps the batches ``i`` with ``i % world == rank``. Shard
     sizes may differ by one sample (or one batch).
     """
+    if world > 1 and getattr(loader, "rank_shard", None) == (rank_, world):
+        # already this rank's share (DALI's evaluation loaders: each rank decodes only its files); batches carry the
+        # global index, so the first ``limit`` samples are the same as when sharding here
+        for batch in loader:
+            x, y = batch[0], batch[1]
+            if limit is not None:
+                keep = torch.as_tensor(batch[2]).to(torch.as_tensor(y).device) < limit
+                x, y = x[keep.to(x.device)], y[keep]
+            if len(y):
+                yield x, y
+        return
     if world > 1 or limit is not None:
         rebuilt = _rebuild(loader, rank_, world, limit)
         if rebuilt is not None:

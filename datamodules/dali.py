@@ -57,7 +57,8 @@ class DaliLoader:
     Args:
         paths, targets: the files and their labels.
         mode: ``"pretrain"`` (the preset's two views + local views), ``"linear"`` (one view: crop 0.08-1 + flip) or
-            ``"eval"`` (resize ``eval_resize`` + centre crop; in order, nothing dropped, not sharded).
+            ``"eval"`` (resize ``eval_resize`` + centre crop; in order, nothing dropped; rank ``r`` of ``world`` gets
+            the files ``r::world``, not padded).
         settings, mean, std, eval_resize, channels: the views and the normalisation.
         batch_size, seed, rank, world: per-rank batch, the order's seed, this rank's shard.
         device_id: the CUDA device for ``device="mixed"`` decoding and GPU ops; None: a CPU pipeline.
@@ -103,10 +104,16 @@ class DaliLoader:
         if self.shuffle:
             self.epoch = epoch
 
+    @property
+    def rank_shard(self) -> Optional[Tuple[int, int]]:
+        """``(rank, world)`` of an evaluation loader that holds only this rank's share (every ``world``-th file from
+        ``rank``): the evaluation callbacks take its batches as this rank's shard instead of sharding them again."""
+        return (self.rank, self.world) if self.mode == "eval" else None
+
     def order(self) -> np.ndarray:
         n = len(self.paths)
-        if self.mode == "eval":
-            return np.arange(n)
+        if self.mode == "eval":  # in order, nothing dropped or repeated; each rank decodes only its share
+            return np.arange(n)[self.rank :: self.world]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)  # SeededRandomSampler's permutation
         perm = torch.randperm(n, generator=g).numpy() if self.shuffle else np.arange(n)
         per_rank = math.ceil(n / self.world)

@@ -317,7 +317,7 @@ class ImageFolderDataModule(TwoViewDataModule):
 
         trainer = self.trainer
         device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None and mode != "eval" else (0, 1)
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         return DaliLoader(
             ds.paths,
             ds.targets.tolist(),

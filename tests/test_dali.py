@@ -165,3 +165,23 @@ def test_a_resumed_epoch_replays_the_pipeline_and_yields_the_remaining_batches_w
     other.set_epoch(1)
     other.load_state_dict({"epoch": 0, "batches": 4})  # saved at the end of epoch 0: epoch 1 starts at its start
     assert len(list(other)) == 4
+
+
+def test_evaluation_loaders_decode_only_their_ranks_share(tmp_path):
+    """Under DDP each rank's evaluation loader holds the files rank::world (it decoded all of them, and the kNN
+    bank's sharding then dropped (world - 1) / world); the callbacks' shard() takes them as they are."""
+    from moco_lightning.callbacks._utils import shard
+
+    d = dm(folder(tmp_path, n=5))  # 10 files
+    ds = d._eval_splits["train"]
+    loaders = [
+        DaliLoader(ds.paths, ds.targets.tolist(), "eval", d.view_settings, d.mean, d.std, 4, rank=r, world=2)
+        for r in (0, 1)
+    ]
+    indices = [torch.cat([b[2] for b in loader]) for loader in loaders]
+    assert indices[0].tolist() == [0, 2, 4, 6, 8] and indices[1].tolist() == [1, 3, 5, 7, 9]
+    assert len(loaders[0]) == 2 and loaders[1].rank_shard == (1, 2)
+    mine = list(shard(loaders[1], 1, 2))  # nothing dropped again
+    assert torch.equal(torch.cat([y for _, y in mine]), ds.targets[indices[1]])
+    limited = list(shard(loaders[1], 1, 2, limit=6))  # the first 6 samples of the split: rank 1 has 1, 3, 5
+    assert torch.equal(torch.cat([y for _, y in limited]), ds.targets[[1, 3, 5]])
