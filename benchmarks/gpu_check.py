@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
-from moco_lightning.datamodules import InMemoryDataModule
+from moco_lightning.datamodules import InMemoryDataModule, view_settings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,8 +79,6 @@ class SaveQueue(Callback):
 
 
 def synthetic_datamodule(size: dict, channels: int = 3):
-    from moco_lightning.datamodules import view_settings
-
     return Synthetic(view_settings("moco_v2", size["image"]), size["images"], size["image"], size["batch"], channels)
 
 

@@ -102,8 +102,8 @@ def shard(loader: Iterable, rank_: int, world: int, limit: Optional[int] = None)
         for batch in loader:
             x, y = batch[0], batch[1]
             if limit is not None:
-                keep = torch.as_tensor(batch[2]).to(torch.as_tensor(y).device) < limit
-                x, y = x[keep.to(x.device)], y[keep]
+                keep = torch.as_tensor(batch[2]) < limit
+                x, y = x[keep.to(x.device)], y[keep.to(y.device)]
             if len(y):
                 yield x, y
         return

@@ -55,8 +55,48 @@ class SeededRandomSampler(Sampler[int]):
         return self.n
 
 
-class ResumableDataLoader(DataLoader):
-    """A DataLoader that resumes mid-epoch: its state is ``(epoch, batches yielded in it)``.
+class EpochPosition:
+    """A training loader's position inside its epoch, ``(epoch, batches yielded, batch size)``, as Lightning saves
+    and restores it (``state_dict`` / ``load_state_dict``), for :class:`ResumableDataLoader` and ``DaliLoader``.
+
+    The position is counted where the training loop takes the batches (not in workers, which prefetch), and every
+    rank yields the same number of batches (equal shards, ``drop_last``), so rank 0's state, the one Lightning
+    writes, fits every rank. A state saved in another epoch than the one being started (a checkpoint written at the
+    end of an epoch) skips nothing.
+    """
+
+    _yielded = 0  # batches handed out in the current epoch
+    _resume_at: Optional[tuple] = None  # (epoch, batches, batch_size) from a checkpoint, not yet applied
+
+    def current_epoch(self) -> int:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.current_epoch(), "batches": self._yielded, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]), state_dict.get("batch_size"))
+
+    def start_epoch(self) -> int:
+        """Called as an epoch's batches start: the batches to skip (a resumed epoch's done ones, else 0)."""
+        skip = 0
+        if self._resume_at is not None:
+            epoch, batches, saved_batch_size = self._resume_at
+            self._resume_at = None
+            skip = batches if epoch == self.current_epoch() else 0
+            if skip and saved_batch_size is not None and saved_batch_size != self.batch_size:
+                raise ConfigError(
+                    f"the checkpoint was written mid-epoch ({skip} batches into it) with batch_size {saved_batch_size}"
+                    f"; resuming with batch_size {self.batch_size} would train on other images than the interrupted "
+                    f"epoch's rest: resume with batch_size {saved_batch_size}, or from a checkpoint written at an "
+                    "epoch's end"
+                )
+        self._yielded = skip
+        return skip
+
+
+class ResumableDataLoader(EpochPosition, DataLoader):
+    """A DataLoader that resumes mid-epoch (its state: :class:`EpochPosition`).
 
     Lightning saves the state of a training loader that has ``state_dict`` / ``load_state_dict`` in its checkpoints
     and loads it before the loader is iterated again. A resumed epoch then skips the batches the killed run had
@@ -64,36 +104,18 @@ class ResumableDataLoader(DataLoader):
     sampler (an order from ``(seed, epoch)``) and the augmentation generators saved with the datamodule, a run
     killed at any step and resumed trains on exactly the batches of the uninterrupted one. Without a state Lightning
     restarts an interrupted epoch from its first batch ("your dataloader is not resumable").
-
-    The position is counted where the training loop takes the batches (not in the workers, which prefetch), and
-    every rank yields the same number of batches (equal shards, ``drop_last``), so rank 0's state, the one
-    Lightning writes, fits every rank. A state saved in another epoch than the one being started (a checkpoint
-    written at the end of an epoch) skips nothing.
+    No ``__init__``: Lightning re-creates loaders from their constructor arguments.
     """
 
-    _yielded = 0  # batches handed out in the current epoch (no __init__: Lightning re-creates loaders from its args)
-    _resume_at: Optional[tuple] = None  # (epoch, batches, batch_size) from a checkpoint, not yet applied
-    _skip = 0  # batches the next epoch's index stream skips
+    _skip = 0  # batches the index streams made for this epoch skip
 
-    def state_dict(self) -> dict:
-        return {"epoch": self._epoch(), "batches": self._yielded, "batch_size": self.batch_size}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]), state_dict.get("batch_size"))
-
-    def _epoch(self) -> int:
+    def current_epoch(self) -> int:
         return int(getattr(self.sampler, "epoch", 0))
 
     def __iter__(self) -> Iterator:  # type: ignore[override]
         # a generator: runs at the first batch, after Lightning's ``set_epoch`` (an iterator made earlier, as
         # Lightning's resume makes one before it sets the epoch, would prefetch the previous epoch's order)
-        skip = 0
-        if self._resume_at is not None:
-            epoch, batches, batch_size = self._resume_at
-            self._resume_at = None
-            skip = batches if epoch == self._epoch() else 0
-            check_resumed_batch_size(skip, batch_size, self.batch_size)
-        self._skip, self._yielded = skip, skip
+        self._skip = self.start_epoch()
         try:  # the index streams made while the iterator is built skip (a worker iterator makes two)
             batches = super().__iter__()
         finally:
@@ -105,16 +127,6 @@ class ResumableDataLoader(DataLoader):
     @property
     def _index_sampler(self):  # what DataLoader's iterators draw indices from (the batch sampler here)
         return _SkipFirst(super()._index_sampler, self)
-
-
-def check_resumed_batch_size(skip: int, saved: Optional[int], batch_size: Optional[int]) -> None:
-    """A mid-epoch position is a count of batches of the saved size: refused for another size."""
-    if skip and saved is not None and saved != batch_size:
-        raise ConfigError(
-            f"the checkpoint was written mid-epoch ({skip} batches into it) with batch_size {saved}; resuming with "
-            f"batch_size {batch_size} would train on other images than the interrupted epoch's rest: resume with "
-            f"batch_size {saved}, or from a checkpoint written at an epoch's end"
-        )
 
 
 class _SkipFirst:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from moco_lightning.errors import ConfigError
 
-from .base import check_resumed_batch_size
+from .base import EpochPosition
 from .images import item_seed
 from .transforms import ViewSettings
 
@@ -51,7 +51,7 @@ def require_dali():
         ) from None
 
 
-class DaliLoader:
+class DaliLoader(EpochPosition):
     """An iterable of batches from image files through a DALI pipeline; ``len()`` batches per epoch.
 
     Args:
@@ -96,8 +96,6 @@ class DaliLoader:
         self.epoch, self.shuffle = 0, shuffle and mode != "eval"
         self.sampler, self.batch_sampler = self, None  # Lightning calls ``sampler.set_epoch(epoch)`` every epoch
         self.equal_batches = mode != "eval"  # every rank gets as many full batches: gathers need not exchange sizes
-        self._yielded = 0  # batches handed out in the current epoch
-        self._resume_at: Optional[tuple] = None  # (epoch, batches, batch_size) from a checkpoint, not yet applied
 
     # --- order -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -124,22 +122,13 @@ class DaliLoader:
         n = len(self.order())
         return n // self.batch_size if self.shuffle else math.ceil(n / self.batch_size)
 
-    # --- resuming mid-epoch (Lightning saves and loads the state of a training loader that has one) ----------------
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self._yielded, "batch_size": self.batch_size}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]), state_dict.get("batch_size"))
+    # --- resuming mid-epoch (EpochPosition: Lightning saves and loads the state of a training loader) -------------
+    def current_epoch(self) -> int:
+        return self.epoch
 
     # --- the pipeline --------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Tuple]:
-        skip = 0
-        if self._resume_at is not None:
-            epoch, batches, batch_size = self._resume_at
-            self._resume_at = None
-            skip = batches if epoch == self.epoch else 0
-            check_resumed_batch_size(skip, batch_size, self.batch_size)
-        self._yielded = skip
+        skip = self.start_epoch()
         order = self.order()
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if self.shuffle:  # training: the last partial batch is dropped

@@ -93,6 +93,7 @@ class Pretraining(LightningModule):
         self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
         self._rng_to_restore: Optional[dict] = None
         self._saved_plan: Optional[dict] = None  # the checkpoint's StepPlan, while resuming
+        self.step_plan: Optional[optim.StepPlan] = None  # made by configure_optimizers
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
         self._nan_flag: Optional[tuple] = None  # the last step's "loss not finite" flag, read one step later
         self._stepped = 0  # global_step when optimizer_stepped() last said so
@@ -380,10 +381,9 @@ class Pretraining(LightningModule):
 
     def planned_step(self, step: int) -> tuple[float, float]:
         """``(position of step on the planned schedule, planned steps)``: what the momentum schedules follow."""
-        plan = getattr(self, "step_plan", None)
-        if plan is None:  # before configure_optimizers
+        if self.step_plan is None:  # before configure_optimizers
             return float(step), self.trainer.estimated_stepping_batches
-        return plan.position(step), plan.planned
+        return self.step_plan.position(step), self.step_plan.planned
 
     def _continue_the_plan(self) -> None:
         """On resume (``on_train_start``, everything restored): a run given another length stretches the rest of its
@@ -456,7 +456,7 @@ class Pretraining(LightningModule):
                 f"{type(self).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
             )
         checkpoint["moco_lightning"] = ckpt.metadata()
-        if getattr(self, "step_plan", None) is not None:
+        if self.step_plan is not None:
             checkpoint["moco_lightning"]["step_plan"] = self.step_plan.state_dict()
         # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
         # finish this step first, so that a checkpoint at step N holds N momentum updates (and N steps' keys).

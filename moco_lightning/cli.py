@@ -326,7 +326,6 @@ _HelpFormatter = _help_formatter()
 def condense_parser_error(message: str) -> str:
     """jsonargparse's nested report of a bad setting as one line: the setting's dotted name and what is wrong
     (a wrong type, an unknown option with the closest accepted names), without the alternatives of its Union."""
-    import difflib
     import re
 
     lines = [line.strip() for line in message.splitlines() if line.strip()]
@@ -344,13 +343,14 @@ def condense_parser_error(message: str) -> str:
         m = re.match(r"Option '([^']+)' is not accepted", line)
         if m:
             keys.append(m.group(1))
-            detail = "not an argument of " + (cls or "this class") + _closest(m.group(1), cls, difflib)
+            detail = "not an argument of " + (cls or "this class") + _closest(m.group(1), cls)
             break
     return f"{'.'.join(keys)}: {detail}" if keys else detail
 
 
-def _closest(name: str, class_path: Optional[str], difflib: Any) -> str:
-    """ ", did you mean ...?" from the constructor arguments of ``class_path`` (and its bases), or ""."""
+def _closest(name: str, class_path: Optional[str]) -> str:
+    """The "; did you mean ...?" from the constructor arguments of ``class_path`` (and its bases), or ""."""
+    import difflib
     import importlib
     import inspect
 

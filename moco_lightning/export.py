@@ -40,6 +40,13 @@ def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] 
             f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}). Pass "
             "a .ckpt file written by `moco-lightning fit` (under <run>/checkpoints/)"
         ) from None
+    return checkpoint_backbone(checkpoint, path, encoder)
+
+
+def checkpoint_backbone(
+    checkpoint: Any, path: str | Path, encoder: Literal["query", "key"] = "query"
+) -> dict[str, torch.Tensor]:
+    """:func:`backbone_state_dict` of a checkpoint already loaded from ``path`` (named in the errors)."""
     if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
         raise ConfigError(
             f"{path} is not a checkpoint of moco-lightning pretraining (no 'moco_lightning' / 'state_dict' entry)"
@@ -80,8 +87,6 @@ def load_backbone(path: str | Path) -> nn.Module:
 
 def load_export(path: str | Path) -> tuple[nn.Module, int]:
     """``(backbone, feature_dim)`` of an exported file; one-line errors naming the file."""
-    from .backbones import build_backbone
-
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"{path} does not exist: give the file `moco-lightning export --out` wrote")
@@ -91,6 +96,13 @@ def load_export(path: str | Path) -> tuple[nn.Module, int]:
         raise ConfigError(
             f"{path} is not an exported backbone: torch.load cannot read it ({type(e).__name__})"
         ) from None
+    return rebuild_export(state, path)
+
+
+def rebuild_export(state: Any, path: str | Path) -> tuple[nn.Module, int]:
+    """``(backbone, feature_dim)`` of an exported state dict already loaded from ``path`` (named in the errors)."""
+    from .backbones import build_backbone
+
     architecture = description(state) if isinstance(state, dict) else None
     if architecture is None:
         raise ConfigError(
@@ -130,6 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         out = export_backbone(args.ckpt, args.out, args.encoder)
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"moco-lightning export: error: {e}\n")
-    arch = description(torch.load(out)) or {}
+    written = torch.load(out)
+    arch = description(written) or {}
     what = ", ".join(f"{k} {v}" for k, v in arch.items()) or "architecture not recorded: a backbone module of your own"
-    print(f"wrote {out} ({len(torch.load(out))} tensors, {args.encoder} encoder backbone; {what})")
+    print(f"wrote {out} ({len(written)} tensors, {args.encoder} encoder backbone; {what})")

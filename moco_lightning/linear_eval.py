@@ -219,11 +219,11 @@ class LinearClassifier(LightningModule):
     def _from_checkpoint(path: str) -> tuple[nn.Module, int]:
         """The pretrained backbone of a checkpoint of any pretraining method of this library (its architecture from the
         hyper-parameters, its weights from ``backbone.*``), or of a file ``moco-lightning export`` wrote."""
-        from .export import backbone_state_dict, describe, description, load_export
+        from .export import checkpoint_backbone, describe, description, rebuild_export
 
-        obj = _read_checkpoint(path)  # a clear error when the file is missing
+        obj = _read_checkpoint(path)  # a clear error when the file is missing; read once
         if description(obj) is not None:
-            return load_export(path)
+            return rebuild_export(obj, path)
         architecture = describe(obj.get("hyper_parameters") or {}) if isinstance(obj, dict) else None
         if architecture is None:
             raise ConfigError(
@@ -231,7 +231,7 @@ class LinearClassifier(LightningModule):
                 "not a checkpoint of this library): pass that module as `backbone` together with `ckpt_path`"
             )
         backbone, dim = build_backbone(**architecture)
-        backbone.load_state_dict(backbone_state_dict(path), strict=True)
+        backbone.load_state_dict(checkpoint_backbone(obj, path), strict=True)
         return backbone, dim
 
     @staticmethod

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .distributed import gather_keeping_local_grad
+from .distributed import gather_keeping_local_grad, rank, world_size
 
 
 def contrastive_similarities(
@@ -90,8 +90,6 @@ def _gather_with_grad(x: Tensor, equal_sizes: bool) -> Tuple[Tensor, int]:
     """``(rows of every rank, offset of this rank's)``, gradients flowing back to every rank's rows while training
     (``torch.distributed.nn``'s all-gather: equal row counts, as training batches are); without gradients (validation,
     whose last batches may be uneven), :func:`gather_keeping_local_grad`."""
-    from .distributed import rank, world_size
-
     if world_size() == 1:
         return x, 0
     if torch.is_grad_enabled() and x.requires_grad:
