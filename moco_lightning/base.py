@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 from . import checkpoint as ckpt
 from . import optim
 from .backbones import build_backbone
-from .distributed import destroy_group_at_process_exit, world_size
+from .distributed import world_size
 from .errors import ConfigError, check_arguments
 
 
@@ -137,8 +137,6 @@ class Pretraining(LightningModule):
                 f"{type(self).__name__}: trainer.precision={self.trainer.precision!r} is not supported (the "
                 "similarities, queue and losses are computed in fp32); use 32-true or bf16-mixed"
             )
-        if stage == "fit":
-            destroy_group_at_process_exit()
         if stage == "fit" and self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
         if stage == "fit" and self.hparams.compile and not getattr(self, "_compiled", False):

@@ -107,23 +107,3 @@ def _counts(n: int, equal_sizes: bool = False) -> list[int]:
 def _device() -> torch.device:
     backend = dist.get_backend()
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-def destroy_group_at_process_exit() -> None:
-    """Destroys the process group when a spawned DDP process exits.
-
-    Lightning destroys it in an ``atexit`` handler, but a process started by ``multiprocessing`` (``DDPStrategy(
-    start_method="spawn")``) ends with ``os._exit`` and never runs those: gloo's threads were then torn down by
-    static destructors and, now and then, the process aborted after a finished fit ("terminate called without an
-    active exception", SIGABRT, and the whole fit reported as failed). ``multiprocessing``'s own finalizers do run
-    there."""
-    import multiprocessing
-    from multiprocessing import util
-
-    if world_size() > 1 and multiprocessing.parent_process() is not None:
-        util.Finalize(None, _destroy_group, exitpriority=100)
-
-
-def _destroy_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
