@@ -30,7 +30,7 @@ from .base import Pretraining, is_views_batch
 from .distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
 from .errors import check_arguments
 from .heads import projection_head
-from .loss import info_nce
+from .loss import gather_keys, info_nce
 from .optim import momentum_at, momentum_update
 from .queue import KeyQueue
 from .split_bn import check_bn_splits, convert_split_bn, revert_split_bn, shuffle_mode
@@ -168,7 +168,12 @@ class MoCo(Pretraining):
         if local_views:  # multi-crop: the query encoder alone, every local view against every global key
             local_q = self.query(self._layout(torch.cat(list(local_views))))[1].chunk(len(local_views))
             terms += [(lq, gk, neg) for lq in local_q for _, gk, neg in terms[: len(queries)]]
-        losses = [info_nce(a, b, neg, hp.temperature, 1.0, equal) for a, b, neg in terms]
+        # in-batch negatives (no queue): each global key's all-gather once, however many terms contrast with it
+        gathered: dict[int, tuple[Tensor, int]] = {}
+        for _, b, neg in terms:
+            if neg is None and id(b) not in gathered:
+                gathered[id(b)] = gather_keys(b, equal)
+        losses = [info_nce(a, b, neg, hp.temperature, 1.0, equal, gathered.get(id(b))) for a, b, neg in terms]
         loss = len(queries) * torch.stack([term[0] for term in losses]).mean() * self.loss_scale()
         _, sims, labels = losses[0]
         stored = self.to_store(queries, keys)

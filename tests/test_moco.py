@@ -578,6 +578,35 @@ def test_multi_crop_loss_equals_hand_computation(seeded, symmetric):
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_multi_crop_without_a_queue_gathers_each_global_key_once(seeded, monkeypatch):
+    """In-batch negatives (v3) with multi-crop: 2 global + 3 local views, symmetric, are 2 + 6 loss terms over 2
+    global keys: 2 all-gathers a step (it was one per term, 8; 14 with 6 local views), and the same loss."""
+    from moco_lightning import MoCoV3
+    from moco_lightning import loss as loss_module
+
+    model = tiny_moco(MoCoV3)
+    model.eval()
+    g1, g2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
+    locals_ = [torch.randn(6, 1, 14, 14) for _ in range(3)]
+    calls = []
+    real = loss_module._gather_with_grad
+    monkeypatch.setattr(loss_module, "_gather_with_grad", lambda x, eq: calls.append(x) or real(x, eq))
+    loss = model.contrast(g1, g2, local_views=locals_)["loss"]
+    assert len(calls) == 2
+    with torch.no_grad():
+        k1, k2 = (F.normalize(model.key_projection_head(model.key_backbone(g)), dim=1) for g in (g1, g2))
+    torch.testing.assert_close(calls[0], k2)  # the keys of the first term (q1, k2), then of (q2, k1)
+    torch.testing.assert_close(calls[1], k1)
+    q = [model.query(x)[1] for x in (g1, g2, *locals_)]
+    t = model.hparams.temperature
+
+    def ce(q, k):  # in-batch: the positive of row i is key i
+        return F.cross_entropy(q @ k.T / t, torch.arange(len(q)))
+
+    terms = [ce(q[0], k2), ce(q[1], k1)] + [ce(lq, k) for lq in q[2:] for k in (k2, k1)]
+    torch.testing.assert_close(loss, 2 * torch.stack(terms).mean() * model.loss_scale(), rtol=1e-5, atol=1e-6)
+
+
 def test_multi_crop_key_encoder_never_sees_a_local_view_and_only_global_keys_are_enqueued(seeded):
     model = tiny_moco(queue_size=64)
     seen = []
