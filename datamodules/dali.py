@@ -8,8 +8,14 @@ training batches ``([view_1, view_2, *local_views], targets, index)``, evaluatio
 
 - Order and sharding: every epoch's order is :class:`~.base.SeededRandomSampler`'s permutation of ``(seed, epoch)``,
   padded to a multiple of the world size and cut ``rank::world`` (as ``DistributedSampler``), so every rank gets
-  the same number of batches; training drops the last partial batch. The file bytes are read in Python and fed
-  through ``fn.external_source`` in that order.
+  the same number of batches; training drops the last partial batch. DALI's file reader (``fn.readers.file``, its
+  own threads, not the training loop's) reads the files in that order; each image's index comes through the
+  pipeline as its label, and the targets are looked up from it.
+- On the GPU the outputs are bound to the current CUDA stream (``pipe.run(stream)``: no host synchronisation) and
+  copied into PyTorch tensors on that stream; views, targets and indices all arrive on the device.
+- Unreadable files: a file DALI cannot decode stops the epoch with :class:`~.images.BadImageError` naming every
+  unreadable file of the split (checked once with PIL), as the PIL path does; with ``skip_bad_images`` each one is
+  replaced by the next readable image of its class and the epoch goes on from that batch.
 - Randomness: the pipeline of each epoch is seeded by ``(seed, epoch, rank)``: an epoch's views are the same
   whether or not the run was resumed.
 - Resuming mid-epoch: the loader's state (``state_dict``, saved by Lightning) is the epoch and the batches yielded
@@ -65,6 +71,8 @@ class DaliLoader(EpochPosition):
         num_threads: DALI's CPU threads.
         shuffle: a new order (and new views) every epoch; False: the files in order, the same views every epoch
             (a validation loader), still sharded over the ranks.
+        files: the :class:`~.images.ImageFileDataset` of these files, for unreadable ones: its ``skip_bad_images``
+            policy and registry (None: an unreadable file is an error naming every unreadable file).
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class DaliLoader(EpochPosition):
         eval_resize: Optional[int] = None,
         channels: int = 3,
         shuffle: bool = True,
+        files=None,
     ) -> None:
         require_dali()
         if mode not in ("pretrain", "linear", "eval"):
@@ -96,6 +105,14 @@ class DaliLoader(EpochPosition):
         self.epoch, self.shuffle = 0, shuffle and mode != "eval"
         self.sampler, self.batch_sampler = self, None  # Lightning calls ``sampler.set_epoch(epoch)`` every epoch
         self.equal_batches = mode != "eval"  # every rank gets as many full batches: gathers need not exchange sizes
+        self.files = files
+        self._stand_ins: dict[int, int] = {}  # unreadable file -> the readable one of its class read instead
+        self._targets_on: dict[str, torch.Tensor] = {}  # the targets on the outputs' device, looked up by index
+
+    @property
+    def decoded_on(self) -> str:
+        """Where the pipeline decodes and augments: ``"cuda:N (nvJPEG)"`` or ``"cpu"``."""
+        return f"cuda:{self.device_id} (nvJPEG)" if self.device_id is not None else "cpu"
 
     # --- order -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -133,34 +150,65 @@ class DaliLoader(EpochPosition):
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if self.shuffle:  # training: the last partial batch is dropped
             batches = [b for b in batches if len(b) == self.batch_size]
-        if not batches:
-            return
-        pipe = self._pipeline(batches)
-        for i, index in enumerate(batches):
-            outputs = pipe.run()
-            if i < skip:  # trained on before the run was interrupted: replayed for the pipeline's random state
+        gpu = self.device_id is not None
+        stream = torch.cuda.current_stream(self.device_id) if gpu else None
+        pipe, i = None, 0
+        while i < len(batches):
+            if pipe is None:
+                pipe = self._pipeline(batches, start=i)
+            try:
+                outputs = pipe.run(stream) if gpu else pipe.run()
+            except StopIteration:
+                raise
+            except Exception as e:  # a file DALI cannot decode: name it (and every other), or read a stand-in
+                self._unreadable(batches[i : i + 2], e)
+                pipe = None  # rebuilt from this batch on, with the stand-ins
+                continue
+            i += 1
+            if i <= skip:  # trained on before the run was interrupted: replayed for the pipeline's random state
                 continue
             self._yielded += 1
-            views = [self._to_torch(o) for o in outputs]
-            targets, idx = torch.from_numpy(self.targets[index]), torch.from_numpy(index.astype(np.int64))
-            yield (views, targets, idx) if self.mode == "pretrain" else (views[0], targets, idx)
+            *views, index = (self._to_torch(o) for o in outputs)
+            index = index.reshape(-1)[: len(batches[i - 1])].long()  # an evaluation loader's last batch was padded
+            views = [v[: len(index)] for v in views]
+            targets = self._targets(index)
+            yield (views, targets, index) if self.mode == "pretrain" else (views[0], targets, index)
 
-    def pipeline_seed(self) -> int:
-        """This epoch's pipeline seed, from integers only: Python salts the hash of a string per process, so the
-        former ``hash((seed, epoch, rank, "pretrain"))`` gave every process (a resumed run) other views."""
-        return item_seed(self.seed, self.epoch, self.rank, DALI_MODES.index(self.mode)) & (2**31 - 1)
+    def _targets(self, index: Tensor) -> Tensor:
+        where = str(index.device)
+        if where not in self._targets_on:
+            self._targets_on[where] = torch.from_numpy(self.targets).to(index.device)
+        return self._targets_on[where][index]
 
-    def _pipeline(self, batches: List[np.ndarray]):
+    def _unreadable(self, batches: List[np.ndarray], error: Exception) -> None:
+        """Unreadable files in ``batches`` (the failed one and the one DALI may have been prefetching): with
+        ``skip_bad_images`` their stand-ins are recorded; else the error names every unreadable file of the split."""
+        from .images import BadImageError, find_bad_images
+
+        suspects = sorted({self._stand_ins.get(int(i), int(i)) for b in batches for i in b})
+        bad = find_bad_images([self.paths[i] for i in suspects], self.channels)
+        if not bad:  # PIL reads them all: a failure of DALI's own, with the files it was given
+            names = ", ".join(self.paths[i] for i in suspects[:4])
+            raise RuntimeError(f"DALI failed on a batch of {names}, ...: {error}") from error
+        if self.files is None or not self.files.skip_bad_images:
+            path, cause = bad[0]
+            raise BadImageError(path, cause, find_bad_images(self.paths, self.channels), len(self.paths)) from None
+        bad_paths = {p for p, _ in bad}
+        for i in {int(i) for b in batches for i in b}:
+            if self.paths[self._stand_ins.get(i, i)] in bad_paths:
+                self._stand_ins[i] = self.files.stand_in(i)[0]
+
+    def pipeline_seed(self, start: int = 0) -> int:
+        """The seed of this epoch's pipeline (one that starts at batch ``start``: after an unreadable file), from
+        integers only: Python salts the hash of a string per process, so the former ``hash((seed, epoch, rank,
+        "pretrain"))`` gave every process (a resumed run) other views."""
+        return item_seed(self.seed, self.epoch, self.rank, DALI_MODES.index(self.mode) + 3 * start) & (2**31 - 1)
+
+    def _pipeline(self, batches: List[np.ndarray], start: int = 0):
         from nvidia.dali import fn, pipeline_def, types
 
-        paths = self.paths
-
-        def source(info):
-            if info.iteration >= len(batches):
-                raise StopIteration
-            return [np.fromfile(paths[i], dtype=np.uint8) for i in batches[info.iteration]]
-
-        seed = self.pipeline_seed()
+        index = [int(i) for b in batches[start:] for i in b]
+        files = [self.paths[self._stand_ins.get(i, i)] for i in index]
         gpu = self.device_id is not None
         st = self.settings
 
@@ -168,20 +216,26 @@ class DaliLoader(EpochPosition):
             batch_size=self.batch_size,
             num_threads=self.num_threads,
             device_id=self.device_id,
-            seed=seed,
+            seed=self.pipeline_seed(start),
             exec_dynamic=True,
             prefetch_queue_depth=2,
         )
         def pipeline():
-            encoded = fn.external_source(source=source, batch=True, batch_info=True, dtype=types.UINT8)
+            # the index of each image as its label: the targets are looked up from it (a stand-in keeps the index of
+            # the image it stands in for, and its class)
+            encoded, label = fn.readers.file(
+                files=files, labels=index, random_shuffle=False, pad_last_batch=True, name="files"
+            )
+            if gpu:
+                label = label.gpu()
             images = fn.decoders.image(
                 encoded, device="mixed" if gpu else "cpu", output_type=types.RGB if self.channels == 3 else types.GRAY
             )
             if self.mode == "eval":
                 x = fn.resize(images, resize_shorter=self.eval_resize)
-                return self._normalise(x, crop=(st.image_size, st.image_size))
+                return self._normalise(x, crop=(st.image_size, st.image_size)), label
             if self.mode == "linear":
-                return self._view(images, st.image_size, (0.08, 1.0), colour=False)
+                return self._view(images, st.image_size, (0.08, 1.0), colour=False), label
             views = [
                 self._view(
                     images, st.image_size, (st.min_scale, 1.0), blur=st.blur_prob[v], solarize=st.solarize_prob[v]
@@ -193,7 +247,7 @@ class DaliLoader(EpochPosition):
                 self._view(images, st.local_size, st.local_scale, blur=local[0], solarize=local[1])
                 for _ in range(st.local_views)
             ]
-            return tuple(views)
+            return (*views, label)
 
         pipe = pipeline()
         pipe.build()
@@ -257,10 +311,12 @@ class DaliLoader(EpochPosition):
     def _to_torch(self, tensor_list) -> Tensor:
         if self.device_id is None:
             return torch.from_numpy(np.asarray(tensor_list.as_tensor()))
-        from nvidia.dali.plugin.pytorch import feed_ndarray
+        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
 
         dense = tensor_list.as_tensor()
-        out = torch.empty(dense.shape(), dtype=torch.float32, device=torch.device("cuda", self.device_id))
+        device = torch.device("cuda", self.device_id)
+        out = torch.empty(dense.shape(), dtype=to_torch_type[dense.dtype], device=device)
+        # a copy on the stream the outputs are bound to (non-blocking: the host does not wait for it)
         feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(self.device_id))
         return out
 

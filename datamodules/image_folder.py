@@ -311,12 +311,16 @@ class ImageFolderDataModule(TwoViewDataModule):
             return self._dali(self._eval_splits["val"], "eval")
         return self._loader(self._eval_splits["val"])
 
-    def _dali(self, ds: ImageFileDataset, mode: str, shuffle: bool = True):
-        """A DALI loader over the files of ``ds``, sharded over the trainer's ranks, on its device."""
+    def _dali(self, ds: ImageFileDataset, mode: str, shuffle: bool = True, device: Optional[torch.device] = None):
+        """A DALI loader over the files of ``ds``, sharded over the trainer's ranks, on its device (``device``: this
+        one instead; without a trainer or a device, a CPU pipeline)."""
         from .dali import DaliLoader
 
         trainer = self.trainer
-        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        if device is None:
+            device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         return DaliLoader(
             ds.paths,
@@ -334,4 +338,5 @@ class ImageFolderDataModule(TwoViewDataModule):
             self.eval_resize,
             self.in_channels,
             shuffle,
+            ds,
         )

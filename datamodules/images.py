@@ -309,16 +309,23 @@ class ImageFileDataset(Dataset):
             try:
                 return load_image(self.paths[i], self.channels)
             except BadImageError as e:
-                raise BadImageError(
-                    e.path, e.cause, find_bad_images(self.paths, self.channels), len(self.paths)
-                ) from None
+                raise self.scanned(e) from None
+        return self.stand_in(i)[1]
+
+    def scanned(self, e: BadImageError) -> BadImageError:
+        """``e`` with every unreadable file of the split named (the whole split checked once)."""
+        return BadImageError(e.path, e.cause, find_bad_images(self.paths, self.channels), len(self.paths))
+
+    def stand_in(self, i: int) -> Tuple[int, Image.Image]:
+        """``(j, image j)``: image ``i``, or, when it cannot be read, the next readable image *of its class*
+        (``skip_bad_images``: each unreadable file is marked in the shared registry; the first one warns)."""
         n, target = len(self.paths), self.targets[i]
         for j in (i + step for step in range(n)):
             j %= n
             if self.bad[j] or self.targets[j] != target:  # a stand-in only from the same class: labels stay right
                 continue
             try:
-                return load_image(self.paths[j], self.channels)
+                return j, load_image(self.paths[j], self.channels)
             except BadImageError as e:
                 self.bad[j] = True
                 if not bool(self.warned[0]):

@@ -185,3 +185,31 @@ def test_evaluation_loaders_decode_only_their_ranks_share(tmp_path):
     assert torch.equal(torch.cat([y for _, y in mine]), ds.targets[indices[1]])
     limited = list(shard(loaders[1], 1, 2, limit=6))  # the first 6 samples of the split: rank 1 has 1, 3, 5
     assert torch.equal(torch.cat([y for _, y in limited]), ds.targets[[1, 3, 5]])
+
+
+def test_unreadable_files_are_named_or_stood_in_for_within_their_class(tmp_path):
+    """4 unreadable files among 54 (as a new user tried: a 99-line "nvImageCodec failure" naming no file, and
+    skip_bad_images ignored): the error names every one of them; with skip_bad_images the epoch goes on, each read
+    as another image of its class (the labels stay right), and the datamodule lists them."""
+    from moco_lightning.datamodules import BadImageError
+
+    write_tree(tmp_path, n_per_class=25, splits=("train",))
+    (tmp_path / "train" / "dog" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg" * 10)
+    (tmp_path / "train" / "dog" / "text.jpg").write_text("not an image")
+    good = (tmp_path / "train" / "cat" / "0.jpg").read_bytes()
+    (tmp_path / "train" / "cat" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (tmp_path / "train" / "cat" / "empty.png").write_bytes(b"")
+    with pytest.raises(BadImageError) as raised:
+        list(dm(str(tmp_path), batch_size=8).train_dataloader())
+    message = str(raised.value)
+    named = ("cat/empty.png", "cat/truncated.jpg", "dog/corrupt.jpg", "dog/text.jpg")
+    assert all(f"{n}: cannot be read as an image" in message for n in named) and "4 unreadable of the 54" in message
+    skipping = dm(str(tmp_path), batch_size=8, skip_bad_images=True)
+    with pytest.warns(RuntimeWarning, match="skip_bad_images: .* cannot be read"):
+        batches = list(skipping.train_dataloader())
+    assert len(batches) == 54 // 8 and all(b[0][0].shape == (8, 3, 32, 32) for b in batches)
+    ds = skipping._splits["train"]
+    index = torch.cat([b[2] for b in batches])
+    assert len(set(index.tolist())) == 48 and all(torch.equal(b[1], ds.targets[b[2]]) for b in batches)
+    met = {ds.paths[i].split("train/")[1] for i in index.tolist()} & set(named)  # the bad files this epoch drew
+    assert met and {p.split("train/")[1] for p in skipping.bad_images} >= met
