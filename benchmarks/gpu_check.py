@@ -1,9 +1,10 @@
 """A prepared, self-contained check of moco-lightning on a CUDA machine: a few minutes, no dataset download.
 
-    python benchmarks/gpu_check.py                  # on the GPU (the default when CUDA is available)
+    python benchmarks/gpu_check.py                  # on the GPU(s) of this node, in --minutes (default 4)
     python benchmarks/gpu_check.py --device cpu     # the same code at toy sizes (run by the tests)
 
-What only a GPU can show, each printed as one line (``check: result``):
+What only a GPU can show, each printed as one line (``check: result``) as it finishes, then one summary table
+(figure, value, what it means, pass / fail where there is a threshold) to paste into the README:
 
 - ``fit``: MoCo + an in-memory datamodule (random uint8 images, views drawn batched on the device) trains a few
   steps in bf16-mixed: the first GPU batch does not crash on tensors left on the CPU; logits and queue stay fp32.
@@ -18,20 +19,31 @@ What only a GPU can show, each printed as one line (``check: result``):
 - ``throughput``: MoCo v2 (``configs/moco_v2.yaml``: ResNet-50, K 65536) at 224 px in bf16-mixed and channels-last,
   images/s of (a) the bare encoder work on views already on the GPU, (b) the full ``fit`` step on those views,
   (c) the data path alone over a generated JPEG folder: PIL workers (crops in the workers, colour batched on the
-  GPU) vs DALI (``device="mixed"``: nvJPEG), (d) ``fit`` with each data path. Goal: (d) with DALI >= 0.9 of (a).
-- ``ddp_queue``: 2 DDP processes started with spawn (NCCL on 2 or more GPUs; gloo on the CPU, which the tests run):
-  everything is pickled into them, and the queue must be identical on every rank.
+  GPU) vs DALI (built on the GPU explicitly, ``device="mixed"``: nvJPEG; the line says where it decoded), (d)
+  ``fit`` with each data path. The folder holds enough JPEGs for the warm-up and the timed batches inside one
+  epoch (no epoch boundary, no worker start-up in the timing). Goal: (d) with DALI >= 0.9 of (a).
+- ``compile``: ``fit`` images/s with ``compile: false`` and ``true`` (a ResNet-18), and the recompilations Dynamo
+  logged (training, no-grad key encoder, evaluation): none may hit the recompile limit (it falls back to eager).
+- ``multi_crop``: ``fit`` images/s of MoCo v2 with 2 x 224 px views and with 2 x 224 + 6 x 96 px (SwAV's layout).
+- ``ddp``: ``fit`` on every GPU of the node (DDP, NCCL, started with spawn: everything is pickled into the
+  processes), images/s per GPU against the same run on one GPU (scaling efficiency); the queue must be identical on
+  every rank; the kNN monitor's bank sharded over the ranks, peak memory per rank. On the CPU: 2 gloo processes.
+
+``--minutes`` bounds the whole check: every timed loop stops at its share of the budget (compilation and process
+start-up are not bounded: they are what they are, and are printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import sys
 import tempfile
 import time
 import warnings
-from typing import Callable
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from lightning.pytorch import Callback
@@ -43,11 +55,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
     "toy": dict(image=16, batch=16, images=128, steps=4, queue=256, width=0.25, bank=4096, bank_dim=64,
-                jpegs=16, big_image=32, big_batch=8, backbone="resnet18", workers=1, bench_steps=2, warmup=1),
+                big_image=32, big_batch=8, backbone="resnet18", workers=1, bench_steps=3, warmup=1,
+                local_image=16, local_views=2, compile_image=16, compile_batch=8, ddp_image=16, ddp_batch=8),
     "full": dict(image=64, batch=256, images=8192, steps=30, queue=65536, width=1.0, bank=1_281_167, bank_dim=2048,
-                 jpegs=2048, big_image=224, big_batch=128, backbone="resnet50", workers=12, bench_steps=30,
-                 warmup=3),
+                 big_image=224, big_batch=128, backbone="resnet50", workers=12, bench_steps=30, warmup=3,
+                 local_image=96, local_views=6, compile_image=112, compile_batch=256, ddp_image=224, ddp_batch=128),
 }  # fmt: skip
+
+# each check's share of --minutes (its timed loops stop there; compilation and process start-up are not bounded)
+SHARES = dict(fit=0.05, syncs=0.05, split_bn=0.01, bf16_logits=0.01, knn_memory=0.06, checkpoint=0.04,
+              throughput=0.30, compile=0.14, multi_crop=0.12, ddp=0.22)  # fmt: skip
+
+
+class Row:
+    """One line of the summary table."""
+
+    def __init__(self, figure: str, value: str, meaning: str, ok: Optional[bool] = None) -> None:
+        self.figure, self.value, self.meaning, self.ok = figure, value, meaning, ok
+
+    def cells(self) -> List[str]:
+        verdict = "" if self.ok is None else ("pass" if self.ok else "**fail**")
+        return [self.figure, self.value, self.meaning, verdict]
 
 
 class Synthetic(InMemoryDataModule):
@@ -68,24 +96,94 @@ class Synthetic(InMemoryDataModule):
         return images, torch.randint(0, 10, (n,), generator=g)
 
 
-class SaveQueue(Callback):
-    """Writes each rank's queue at the end of training."""
+class Clock(Callback):
+    """``perf_counter`` at the end of every training batch; stops the fit once ``deadline`` (a ``time.time()``) has
+    passed and at least ``min_steps`` were timed after the ``warmup`` steps. On every rank, ``folder``: each rank
+    writes its times and queue there at the end (the DDP check reads them back)."""
 
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
+    def __init__(self, warmup: int, deadline: float, min_steps: int = 2, folder: Optional[str] = None) -> None:
+        self.warmup, self.deadline, self.min_steps, self.folder = warmup, deadline, min_steps, folder
+        self.ends: List[float] = []
+        self.decoded_on = "?"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+        if len(self.ends) == 1:
+            self.decoded_on = getattr(trainer.train_dataloader, "decoded_on", "workers")
+        timed = len(self.ends) - self.warmup - 1
+        stop = timed >= self.min_steps and time.time() > self.deadline
+        if trainer.world_size > 1:  # every rank stops at the same step
+            stop = bool(trainer.strategy.reduce_boolean_decision(stop, all=False))
+        if stop:
+            trainer.should_stop = True
+
+    def rate(self, batch: int) -> float:
+        """Images/s of one rank over the timed steps (after the warm-up)."""
+        timed = len(self.ends) - self.warmup - 1
+        return batch * timed / (self.ends[-1] - self.ends[self.warmup]) if timed > 0 else float("nan")
 
     def on_train_end(self, trainer, pl_module):
-        torch.save(pl_module.queue.keys.cpu(), os.path.join(self.folder, f"q{trainer.global_rank}.pt"))
+        if self.folder is None:
+            return
+        record = dict(ends=self.ends, queue=pl_module.queue.keys.cpu().tolist(), world=trainer.world_size)
+        with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(record, f)
 
 
-def synthetic_datamodule(size: dict, channels: int = 3):
-    return Synthetic(view_settings("moco_v2", size["image"]), size["images"], size["image"], size["batch"], channels)
+class ShardedKNNPeak(Callback):
+    """After the fit, each rank runs the kNN monitor's evaluation on its shard of an N x D bank (the bank is never
+    gathered) and writes its peak memory and the accuracy (which must be the same on every rank)."""
+
+    def __init__(self, folder: str, n: int, d: int) -> None:
+        self.folder, self.n, self.d = folder, n, d
+
+    def on_train_end(self, trainer, pl_module):
+        from moco_lightning.callbacks.knn import knn_accuracy
+
+        bank, queries = knn_loaders(self.n, self.d)
+        cuda = pl_module.device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        acc = knn_accuracy(nn.Identity(), bank, queries, num_classes=1000, device=pl_module.device)
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else float("nan")
+        with open(os.path.join(self.folder, f"knn{trainer.global_rank}.json"), "w") as f:
+            json.dump(dict(peak=peak, acc1=acc["acc1"], total=acc["total"]), f)
 
 
-def moco(size: dict, **kw):
+def knn_loaders(n: int, d: int):
+    """A bank of ``n`` random ``d``-dim features over 1000 classes and 10 000 of them as queries (seeded: the same in
+    every process)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    feats, labels = torch.randn(n, d, generator=g), torch.randint(0, 1000, (n,), generator=g)
+    q = min(10_000, n)
+    bank = DataLoader(TensorDataset(feats, labels), batch_size=8192)
+    return bank, DataLoader(TensorDataset(feats[:q], labels[:q]), batch_size=8192)
+
+
+def synthetic_datamodule(
+    size: dict,
+    channels: int = 3,
+    image: Optional[int] = None,
+    batch: Optional[int] = None,
+    local_views: int = 0,
+    local_size: Optional[int] = None,
+    images: Optional[int] = None,
+):
+    image, batch = image or size["image"], batch or size["batch"]
+    settings = view_settings("moco_v2", image).with_local_views(local_views, local_size, (0.05, 0.14))
+    return Synthetic(settings, images or size["images"], image, batch, channels)
+
+
+def moco(size: dict, batch: Optional[int] = None, **kw):
+    """MoCo for the check, split BN in 8 (2 under a batch of 64, as the throughput configs) of ``batch`` images."""
     from moco_lightning import MoCo
 
     args = dict(
+        bn_splits=8 if (batch or size["batch"]) >= 64 else 2,
         backbone="resnet18",
         width=size["width"],
         cifar_stem=True,
@@ -125,9 +223,19 @@ def precision(device: str) -> str:
     return "bf16-mixed" if device == "cuda" else "32-true"
 
 
-def check_fit(device: str, size: dict) -> str:
-    from lightning.pytorch import Callback
+def fit_rate(device: str, size: dict, deadline: float, model, batch: int, **data) -> Tuple[float, str]:
+    """(images/s of ``fit`` after the warm-up, where the training batches were decoded), stopping at ``deadline``."""
+    warm, steps = size["warmup"], size["bench_steps"]
+    clock = Clock(warm, deadline)
+    trainer(device, steps + warm + 1, callbacks=[clock]).fit(model, **data)
+    return clock.rate(batch), clock.decoded_on
 
+
+# --- the checks: each returns (its line, its rows of the summary table) -------------------------------------------
+Result = Tuple[str, List[Row]]
+
+
+def check_fit(device: str, size: dict, deadline: float) -> Result:
     seen = {}
 
     class Look(Callback):
@@ -138,16 +246,21 @@ def check_fit(device: str, size: dict) -> str:
     t = time.perf_counter()
     # bf16-mixed here on the CPU too: what autocast does to the logits and the queue is the point of this check
     trainer(device, size["steps"], callbacks=[Look()], precision="bf16-mixed").fit(model, synthetic_datamodule(size))
-    return (
+    keys = model.queue.keys
+    ok = seen["views"] == device and seen["loss"] == torch.float32 and keys.dtype == torch.float32
+    line = (
         f"{size['steps']} steps in {time.perf_counter() - t:.1f} s; views on {seen['views']}, loss {seen['loss']}, "
-        f"queue {model.queue.keys.dtype} on {model.queue.keys.device.type}, ptr {int(model.queue.ptr)}"
+        f"queue {keys.dtype} on {keys.device.type}, ptr {int(model.queue.ptr)}"
     )
+    meaning = "bf16-mixed fit: views on the device, loss and queue in fp32"
+    return line, [
+        Row("bf16 fit: views / loss / queue", f"{seen['views']} / {seen['loss']} / {keys.dtype}", meaning, ok)
+    ]
 
 
-def check_syncs(device: str, size: dict) -> str:
+def check_syncs(device: str, size: dict, deadline: float) -> Result:
     if device != "cuda":
-        return "n/a (CUDA only)"
-    from lightning.pytorch import Callback
+        return "n/a (CUDA only)", [Row("host syncs per step", "n/a (CUDA only)", "torch.cuda.set_sync_debug_mode")]
 
     class Count(Callback):
         def __init__(self) -> None:
@@ -169,10 +282,12 @@ def check_syncs(device: str, size: dict) -> str:
     trainer(device, size["steps"] + 3, callbacks=[count]).fit(moco(size), synthetic_datamodule(size))
     syncs = [w for w in count.warnings if "synchroniz" in str(w.message).lower()]
     where = sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs})[:8]
-    return f"{len(syncs) / max(1, count.counted):.2f} per step over {count.counted} steps; at {where}"
+    per_step = len(syncs) / max(1, count.counted)
+    row = Row("host syncs per step", f"{per_step:.2f}", f"Lightning's included; at {where}", per_step <= 1)
+    return f"{per_step:.2f} per step over {count.counted} steps; at {where}", [row]
 
 
-def check_split_bn(device: str, size: dict) -> str:
+def check_split_bn(device: str, size: dict, deadline: float) -> Result:
     from torch.profiler import ProfilerActivity, profile
 
     from moco_lightning.split_bn import SplitBatchNorm2d
@@ -180,7 +295,7 @@ def check_split_bn(device: str, size: dict) -> str:
     x = torch.randn(size["batch"], 64, size["image"], size["image"], device=device).contiguous(
         memory_format=torch.channels_last
     )
-    out = []
+    counts = []
     for bn in (SplitBatchNorm2d(64, 8).to(device), nn.BatchNorm2d(64).to(device)):
         bn(x)
         activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
@@ -188,13 +303,14 @@ def check_split_bn(device: str, size: dict) -> str:
             bn(x)
             if device == "cuda":
                 torch.cuda.synchronize()
-        kind = "kernels" if device == "cuda" else "ops"
-        n = sum(1 for e in prof.events() if (e.device_type.name == "CUDA") == (device == "cuda"))
-        out.append(f"{type(bn).__name__} {n} {kind}")
-    return ", ".join(out)
+        counts.append(sum(1 for e in prof.events() if (e.device_type.name == "CUDA") == (device == "cuda")))
+    kind = "kernels" if device == "cuda" else "ops"
+    value = f"{counts[0]} vs {counts[1]} {kind}"
+    row = Row("SplitBatchNorm2d (8 splits) vs BatchNorm2d", value, f"{kind} launched by one forward")
+    return f"SplitBatchNorm2d {counts[0]} {kind}, BatchNorm2d {counts[1]} {kind}", [row]
 
 
-def check_bf16_logits(device: str, size: dict) -> str:
+def check_bf16_logits(device: str, size: dict, deadline: float) -> Result:
     from moco_lightning.loss import contrastive_similarities
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -205,20 +321,17 @@ def check_bf16_logits(device: str, size: dict) -> str:
         ours = contrastive_similarities(q, k, queue)[0]
         naive = torch.cat([(q * k).sum(1, keepdim=True), q @ queue.T], 1)
     err = lambda s: (s.double() - exact).abs().max().item() / 0.2  # noqa: E731 - in logit units at T = 0.2
-    return f"K {size['queue']}: max logit error ours {err(ours):.2e} ({ours.dtype}), bf16 product {err(naive):.2e}"
+    line = f"K {size['queue']}: max logit error ours {err(ours):.2e} ({ours.dtype}), bf16 product {err(naive):.2e}"
+    value = f"{err(ours):.1e} (bf16 product {err(naive):.1e})"
+    return line, [Row("max logit error under bf16 autocast", value, f"K {size['queue']}, T 0.2", err(ours) < 1e-4)]
 
 
-def check_knn_memory(device: str, size: dict) -> str:
-    from torch.utils.data import DataLoader, TensorDataset
-
+def check_knn_memory(device: str, size: dict, deadline: float) -> Result:
     from moco_lightning.callbacks.knn import knn_accuracy
 
     n, d = size["bank"], size["bank_dim"]
-    feats = torch.randn(n, d)
-    labels = torch.randint(0, 1000, (n,))
-    bank = DataLoader(TensorDataset(feats, labels), batch_size=8192)
-    queries = DataLoader(TensorDataset(feats[:10000], labels[:10000]), batch_size=8192)
-    out = []
+    bank, queries = knn_loaders(n, d)
+    out, peaks = [], []
     for dtype in (torch.float32, torch.bfloat16):
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -227,12 +340,18 @@ def check_knn_memory(device: str, size: dict) -> str:
         acc = knn_accuracy(
             nn.Identity(), bank, queries, num_classes=1000, device=torch.device(device), bank_dtype=dtype
         )
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-        out.append(f"{str(dtype)[6:]} peak {peak:.2f} GiB, {time.perf_counter() - t:.1f} s, acc1 {acc['acc1']:.3f}")
-    return f"bank {n} x {d}: " + "; ".join(out)
+        peaks.append(torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"))
+        out.append(
+            f"{str(dtype)[6:]} peak {peaks[-1]:.2f} GiB, {time.perf_counter() - t:.1f} s, acc1 {acc['acc1']:.3f}"
+        )
+    ratio = peaks[1] / peaks[0]
+    value = f"{peaks[0]:.2f} / {peaks[1]:.2f} GiB" if device == "cuda" else "n/a (CUDA memory stats)"
+    ok = ratio <= 0.6 if device == "cuda" else None
+    row = Row("kNN bank peak, fp32 / bf16", value, f"bank {n} x {d}, one process; bf16 <= 0.6 x fp32", ok)
+    return f"bank {n} x {d}: " + "; ".join(out), [row]
 
 
-def check_checkpoint(device: str, size: dict) -> str:
+def check_checkpoint(device: str, size: dict, deadline: float) -> Result:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from moco_lightning import MoCo
@@ -245,35 +364,47 @@ def check_checkpoint(device: str, size: dict) -> str:
         rng_device = loaded._rng_to_restore["torch"].device.type if loaded._rng_to_restore else "none"
         resumed = moco(size)
         trainer(device, 4).fit(resumed, synthetic_datamodule(size), ckpt_path=path)
-        return (
+        step = int(resumed.queue.enqueued_at.max())
+        line = (
             f"loaded with map_location={device!r} (RNG state tensors on {rng_device}); resumed from step 2 to step "
-            f"{int(resumed.queue.enqueued_at.max())}"
+            f"{step}"
         )
+        row = Row(
+            "resume from a checkpoint mapped to the device", f"step 2 -> {step}", "trains on to step 4", step == 4
+        )
+        return line, [row]
 
 
 def write_jpegs(root: str, n: int, seed: int = 0) -> None:
-    """``n`` smooth random 500x375 JPEGs in 4 class folders (content is irrelevant to throughput)."""
+    """``n`` smooth random 500x375 JPEGs in 4 class folders (content is irrelevant to throughput), in processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    for c in range(4):
+        os.makedirs(os.path.join(root, "train", f"c{c}"), exist_ok=True)
+    with ProcessPoolExecutor(max(1, min(16, (os.cpu_count() or 1)))) as pool:
+        list(pool.map(_write_jpeg, [(root, i, seed) for i in range(n)], chunksize=64))
+
+
+def _write_jpeg(job) -> None:
     import numpy as np
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
-    for i in range(n):
-        small = rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)
-        folder = os.path.join(root, "train", f"c{i % 4}")
-        os.makedirs(folder, exist_ok=True)
-        Image.fromarray(small).resize((500, 375), Image.BICUBIC).save(os.path.join(folder, f"{i}.jpg"), quality=90)
+    root, i, seed = job
+    small = np.random.default_rng((seed, i)).integers(0, 256, (12, 16, 3), dtype=np.uint8)
+    path = os.path.join(root, "train", f"c{i % 4}", f"{i}.jpg")
+    Image.fromarray(small).resize((500, 375), Image.BICUBIC).save(path, quality=90)
 
 
-def check_throughput(device: str, size: dict) -> str:
+def check_throughput(device: str, size: dict, deadline: float) -> Result:
     """Images/s of the encoder work, the fit step, the data paths and fit with each (module docstring)."""
-    import lightning.pytorch as pl
-
     from _common import config_path, from_config
     from step_overhead import SameBatch, bare_step
 
     out, n, steps, warm = {}, size["big_batch"], size["bench_steps"], size["warmup"]
+    share = (deadline - time.time()) / 6  # six measurements
     with tempfile.TemporaryDirectory() as tmp:
-        write_jpegs(tmp, size["jpegs"])
+        # the warm-up and the timed batches of every measurement inside one epoch (plus the prefetched ones)
+        write_jpegs(tmp, n * (warm + steps + 4))
         d = "--data.init_args."
         common = (
             f"{d}data_dir={tmp}",
@@ -299,57 +430,204 @@ def check_throughput(device: str, size: dict) -> str:
             for _ in range(warm):
                 step()
             sync(device)
-            t = time.perf_counter()
-            for _ in range(steps):
+            t, stop, k = time.perf_counter(), time.time() + share, 0
+            while k < steps and (k < 2 or time.time() < stop):
                 step()
+                k += 1
             sync(device)
-        out["(a) bare encoder"] = n * steps / (time.perf_counter() - t)
-
-        def fit_rate(model, **data) -> float:
-            clock = []
-            cb = type(
-                "Clock", (pl.Callback,), {"on_train_batch_end": lambda self, *a: clock.append(time.perf_counter())}
-            )
-            trainer(device, steps + warm, callbacks=[cb()]).fit(model, **data)
-            return n * (len(clock) - warm) / (clock[-1] - clock[warm - 1])
+        out["(a) bare encoder"] = n * k / (time.perf_counter() - t)
 
         same = ([v for v in views], torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device))
         loader = torch.utils.data.DataLoader(
-            SameBatch(same, (steps + warm + 1) * n), batch_size=n, collate_fn=lambda b: b
+            SameBatch(same, (steps + warm + 2) * n), batch_size=n, collate_fn=lambda b: b
         )
+        model = from_config(config_path("moco_v2"), *common)[0]
         out["(b) fit step, views on the device"] = fit_rate(
-            from_config(config_path("moco_v2"), *common)[0], train_dataloaders=loader
-        )
+            device, size, time.time() + share, model, n, train_dataloaders=loader
+        )[0]
+        decoded = {}
         for name, overrides in paths.items():
             model, dm = from_config(config_path("moco_v2"), *common, *overrides)
             dm.setup()
-            it, t, k = iter(dm.train_dataloader()), time.perf_counter(), 0
+            if name == "DALI":  # no trainer yet: the GPU pipeline asked for explicitly (else it would be the CPU's)
+                train = dm._dali(dm._splits["train"], "pretrain", device=torch.device(device))
+                decoded["(c)"] = train.decoded_on
+            else:
+                train = dm.train_dataloader()
+            it, stop = iter(train), time.time() + share
+            for _ in range(warm):  # worker start-up, pipeline build: not timed
+                b = next(it)
+            t, k = time.perf_counter(), 0
             for b in it:
                 if dm.views is not None:
                     dm.views([x.to(device) for x in b[0]] if isinstance(b[0], list) else b[0].to(device))
                 k += n
-                if k >= n * steps:
+                if k >= n * steps or (k >= 2 * n and time.time() > stop):
                     break
             sync(device)
             out[f"(c) data path alone, {name}"] = k / (time.perf_counter() - t)
-            out[f"(d) fit with {name}"] = fit_rate(model, datamodule=dm)
+            del it, train
+            rate, decoded[f"(d) {name}"] = fit_rate(device, size, time.time() + share, model, n, datamodule=dm)
+            out[f"(d) fit with {name}"] = rate
     fit_dali, bare = out["(d) fit with DALI"], out["(a) bare encoder"]
-    return "; ".join(f"{k} {v:.0f} img/s" for k, v in out.items()) + f"; DALI fit / bare = {fit_dali / bare:.2f}"
+    line = "; ".join(f"{k} {v:.0f} img/s" for k, v in out.items())
+    line += f"; DALI decoded on {decoded['(c)']} in (c), {decoded['(d) DALI']} in (d); DALI fit / bare = "
+    line += f"{fit_dali / bare:.2f}"
+    rows = [
+        Row(k, f"{v:.0f} img/s", f"MoCo v2 {size['backbone']}, {size['big_image']} px, batch {n}")
+        for k, v in out.items()
+    ]
+    rows.append(Row("DALI decoded on", f"{decoded['(c)']} / {decoded['(d) DALI']}", "(c) / (d)", None))
+    rows.append(
+        Row(
+            "(d) fit with DALI / (a) bare",
+            f"{fit_dali / bare:.2f}",
+            "GPU goal >= 0.9: the data path keeps up",
+            fit_dali / bare >= 0.9 if device == "cuda" else None,
+        )
+    )
+    return line, rows  # fmt: skip
 
 
-def check_ddp_queue(device: str, size: dict) -> str:
-    """2 DDP processes started with spawn (what a multi-GPU node needs): NCCL on GPUs, gloo on the CPU."""
-    if device == "cuda" and torch.cuda.device_count() < 2:
-        return f"n/a (needs 2 or more GPUs; {torch.cuda.device_count()} here)"
+class DynamoLog(logging.Handler):
+    """Counts Dynamo's recompilations and recompile-limit hits (``TORCH_LOGS=recompiles``'s records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recompiles: List[str] = []
+        self.limit_hits: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "Recompiling function" in text:
+            self.recompiles.append(text.split("\n", 1)[0])
+        if "recompile_limit" in text or "cache_size_limit" in text:
+            self.limit_hits.append(text.split("\n", 1)[0])
+
+
+def check_compile(device: str, size: dict, deadline: float) -> Result:
+    """fit images/s with compile off and on (ResNet-18, 2 global + 2 local views), and Dynamo's recompilations in the
+    compiled fit (training, the no-grad key encoder, the local views' shape, a kNN evaluation in eval mode)."""
+    import torch._dynamo
+    import torch._logging
+
+    from moco_lightning.callbacks import KNNMonitor
+
+    image, batch = size["compile_image"], size["compile_batch"]
+    share = (deadline - time.time()) / 2
+    rates, log = {}, DynamoLog()
+    for on in (False, True):
+        torch._dynamo.reset()
+        data = synthetic_datamodule(  # with local views: their other shape is one more (dynamic) compilation
+            size,
+            image=image,
+            batch=batch,
+            images=batch * (size["bench_steps"] + 8),
+            local_views=2,
+            local_size=image // 2,
+        )
+        model = moco(size, batch, image_size=image, compile=on, width=1.0)
+        callbacks = [Clock(size["warmup"] + 1, time.time() + share)]
+        if on:  # the monitor's evaluation runs the compiled backbone in eval mode, without gradients
+            callbacks.append(KNNMonitor(every_n_epochs=1, max_bank_size=4 * batch, k=20))
+            torch._logging.set_logs(recompiles=True)
+            logging.getLogger("torch._dynamo").addHandler(log)
+        t = time.perf_counter()
+        try:
+            trainer(device, size["bench_steps"] + size["warmup"] + 2, callbacks=callbacks).fit(model, data)
+        finally:
+            if on:
+                logging.getLogger("torch._dynamo").removeHandler(log)
+                torch._logging.set_logs()
+        rates[on] = (callbacks[0].rate(batch), time.perf_counter() - t)
+    (eager, t_eager), (compiled, t_compiled) = rates[False], rates[True]
+    line = (
+        f"resnet18 {image} px batch {batch}: eager {eager:.0f} img/s, compiled {compiled:.0f} img/s "
+        f"(x{compiled / eager:.2f}; whole fit {t_eager:.0f} s vs {t_compiled:.0f} s with compilation); "
+        f"{len(log.recompiles)} recompilations, recompile limit hit {len(log.limit_hits)}x"
+        + (f": {log.limit_hits[:2]}" if log.limit_hits else "")
+    )
+    return line, [
+        Row("compile: compiled / eager img/s", f"{compiled / eager:.2f}", f"resnet18, {image} px, batch {batch}"),
+        Row("compile: recompilations / limit hits", f"{len(log.recompiles)} / {len(log.limit_hits)}",
+            "train, no-grad keys, local views, eval kNN; a limit hit falls back to eager", not log.limit_hits),
+    ]  # fmt: skip
+
+
+def check_multi_crop(device: str, size: dict, deadline: float) -> Result:
+    """fit images/s of MoCo v2 (the throughput check's backbone) with 2 global views and with 2 global + local."""
+    share = (deadline - time.time()) / 2
+    image, batch, local = size["big_image"], size["big_batch"], size["local_image"]
+    rates = {}
+    for views in (0, size["local_views"]):
+        data = synthetic_datamodule(
+            size,
+            image=image,
+            batch=batch,
+            local_views=views,
+            local_size=local,
+            images=batch * (size["bench_steps"] + 6),
+        )
+        model = moco(size, batch, backbone=size["backbone"], cifar_stem=False, width=1.0, image_size=image,
+                     symmetric=True, hidden_dim=2048, temperature=0.2)  # fmt: skip
+        rates[views] = fit_rate(device, size, time.time() + share, model, batch, datamodule=data)[0]
+    plain, multi = rates[0], rates[size["local_views"]]
+    layout = f"2 x {image} + {size['local_views']} x {local} px"
+    line = f"{size['backbone']} symmetric, batch {batch}: 2 x {image} px {plain:.0f} img/s, {layout} {multi:.0f} img/s"
+    line += f" (x{multi / plain:.2f})"
+    return line, [Row("multi-crop / 2 global views, img/s", f"{multi / plain:.2f}", f"{layout}, {size['backbone']}")]
+
+
+def check_ddp(device: str, size: dict, deadline: float) -> Result:
+    """fit on every GPU of the node (DDP, spawn) against one GPU; the queues; the sharded kNN bank's peak per rank."""
+    world = torch.cuda.device_count() if device == "cuda" else 2
+    if world < 2:
+        return f"n/a (needs 2 or more GPUs; {world} here)", [Row("DDP", "n/a", f"{world} GPU here")]
     from lightning.pytorch.strategies import DDPStrategy
 
+    image, batch = size["ddp_image"], size["ddp_batch"]
+    share = (deadline - time.time()) / 2
+    model_kw = dict(backbone=size["backbone"], cifar_stem=False, width=1.0, image_size=image, hidden_dim=2048,
+                    temperature=0.2)  # fmt: skip
+    images = batch * world * (size["bench_steps"] + size["warmup"] + 4)
+    one = fit_rate(device, size, time.time() + share, moco(size, batch, **model_kw), batch,
+                   datamodule=synthetic_datamodule(size, image=image, batch=batch, images=images))[0]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         strategy = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-        ddp = trainer(device, size["steps"], devices=2, strategy=strategy, callbacks=[SaveQueue(tmp)])
-        ddp.fit(moco(size, shuffle_bn="ddp"), synthetic_datamodule(size))
-        q0, q1 = (torch.load(os.path.join(tmp, f"q{r}.pt")) for r in (0, 1))
-        backend = "NCCL" if device == "cuda" else "gloo"
-        return f"2 ranks x {size['steps']} steps (spawn, {backend}): queues identical: {torch.equal(q0, q1)}"
+        clock = Clock(size["warmup"], time.time() + share, folder=tmp)
+        knn = ShardedKNNPeak(tmp, size["bank"], size["bank_dim"])
+        t = time.perf_counter()
+        ddp = trainer(device, size["bench_steps"] + size["warmup"] + 1, devices=world, strategy=strategy,
+                      callbacks=[clock, knn])  # fmt: skip
+        ddp.fit(
+            moco(size, shuffle_bn="ddp", **model_kw),
+            synthetic_datamodule(size, image=image, batch=batch, images=images),
+        )
+        wall = time.perf_counter() - t
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+        knns = [json.load(open(os.path.join(tmp, f"knn{r}.json"))) for r in range(world)]
+    per_gpu = []
+    for r in ranks:
+        c = Clock(size["warmup"], 0.0)
+        c.ends = r["ends"]
+        per_gpu.append(c.rate(batch))
+    same_queue = all(r["queue"] == ranks[0]["queue"] for r in ranks)
+    same_knn = len({(k["acc1"], k["total"]) for k in knns}) == 1
+    rate = min(per_gpu)
+    backend = "NCCL" if device == "cuda" else "gloo"
+    peaks = ", ".join(f"{k['peak']:.2f}" for k in knns)
+    line = (
+        f"{world} ranks (spawn, {backend}, {wall:.0f} s with start-up): {rate:.0f} img/s per rank ({rate * world:.0f} "
+        f"in all) vs {one:.0f} on one (efficiency {rate / one:.2f}); queues identical: {same_queue}; sharded kNN bank "
+        f"{size['bank']} x {size['bank_dim']}: peak per rank [{peaks}] GiB, the same accuracy on every rank: {same_knn}"
+    )
+    what = f"{size['backbone']} {image} px, batch {batch} per rank"
+    return line, [
+        Row(f"DDP img/s per rank ({world} ranks, {backend})", f"{rate:.0f} ({rate / one:.2f} of one)", what),
+        Row("DDP queues identical on every rank", str(same_queue), "keys gathered before enqueue", same_queue),
+        Row("kNN bank sharded: peak per rank (GiB)", peaks if device == "cuda" else "n/a (CUDA memory stats)",
+            f"{size['bank']} x {size['bank_dim']} over {world} ranks; same accuracy everywhere", same_knn),
+    ]  # fmt: skip
 
 
 def sync(device: str) -> None:
@@ -357,7 +635,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-CHECKS: dict[str, Callable[[str, dict], str]] = {
+CHECKS: dict[str, Callable[[str, dict, float], Result]] = {
     "fit": check_fit,
     "syncs": check_syncs,
     "split_bn": check_split_bn,
@@ -365,8 +643,18 @@ CHECKS: dict[str, Callable[[str, dict], str]] = {
     "knn_memory": check_knn_memory,
     "checkpoint": check_checkpoint,
     "throughput": check_throughput,
-    "ddp_queue": check_ddp_queue,
+    "compile": check_compile,
+    "multi_crop": check_multi_crop,
+    "ddp": check_ddp,
 }
+
+
+def summary(rows: List[Row]) -> str:
+    """The summary as a Markdown table."""
+    head = ["figure", "value", "what it means", "pass / fail"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -374,21 +662,28 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", choices=list(SIZES), default=None, help="default: full on CUDA, toy on the CPU")
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
+    p.add_argument("--minutes", type=float, default=4.0, help="time budget of the whole check (default 4)")
     args = p.parse_args(argv)
     size = SIZES[args.size or ("full" if args.device == "cuda" else "toy")]
     from _common import quiet
 
     quiet()
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"gpu_check on {name}: torch {torch.__version__}, sizes {size}", flush=True)
-    failed = 0
+    name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if args.device == "cuda" else "CPU"
+    print(f"gpu_check on {name}: torch {torch.__version__}, {args.minutes:g} minutes, sizes {size}", flush=True)
+    failed, rows, t0 = 0, [], time.time()
+    budget = args.minutes * 60 - 20  # the imports and the summary
+    total_share = sum(SHARES[c] for c in args.checks)
     for check in args.checks:
         t = time.perf_counter()
+        deadline = time.time() + budget * SHARES[check] / total_share
         try:
-            result = CHECKS[check](args.device, size)
+            result, check_rows = CHECKS[check](args.device, size, deadline)
+            rows += check_rows
         except Exception as e:  # report and go on: one broken check must not hide the others
             result, failed = f"FAILED {type(e).__name__}: {e}", failed + 1
+            rows.append(Row(check, "FAILED", f"{type(e).__name__}: {str(e)[:120]}", False))
         print(f"{check}: {result} [{time.perf_counter() - t:.1f} s]", flush=True)
+    print(f"\nsummary ({name}, {time.time() - t0:.0f} s):\n\n{summary(rows)}", flush=True)
     return 1 if failed else 0
 
 

@@ -20,13 +20,24 @@ def run(script: str, *args: str, timeout: int = 300) -> str:
 
 
 def test_gpu_check_runs_on_the_cpu():
-    out = run("gpu_check.py", "--device", "cpu")
-    lines = dict(line.split(": ", 1) for line in out.splitlines()[1:] if ": " in line)
-    assert set(lines) >= {"fit", "syncs", "split_bn", "bf16_logits", "knn_memory", "checkpoint"}
+    """The prepared GPU check's code path at toy sizes, every check, ending with the summary table; the multi-GPU path
+    as 2 processes started with spawn (everything pickled into them: module-level classes), gloo."""
+    out = run("gpu_check.py", "--device", "cpu", "--minutes", "2")
+    body, table = out.split("\nsummary (CPU, ")
+    lines = dict(line.split(": ", 1) for line in body.splitlines()[1:] if ": " in line and not line.startswith(" "))
+    checks = {"fit", "syncs", "split_bn", "bf16_logits", "knn_memory", "checkpoint", "throughput", "compile"}
+    assert set(lines) >= checks | {"multi_crop", "ddp"}
     assert not any(v.startswith("FAILED") for v in lines.values()), lines
     assert "queue torch.float32" in lines["fit"] and "ours 0.00e+00" in lines["bf16_logits"]
-    # the multi-GPU path on the CPU: 2 processes started with spawn (everything pickled), gloo
-    assert "(spawn, gloo): queues identical: True" in lines["ddp_queue"]
+    assert "DALI decoded on cpu in (c), cpu in (d)" in lines["throughput"]
+    assert "recompile limit hit 0x" in lines["compile"]
+    assert "2 ranks (spawn, gloo" in lines["ddp"] and "queues identical: True" in lines["ddp"]
+    assert "the same accuracy on every rank: True" in lines["ddp"]
+    rows = [r.split(" | ") for r in table.splitlines() if r.startswith("| ") and not r.startswith("| figure")]
+    assert len(rows) >= 18 and not any("fail" in r[-1] for r in rows), table
+    verdicts = {r[0].lstrip("| "): r[-1].rstrip(" |") for r in rows}
+    assert verdicts["DDP queues identical on every rank"] == "pass"
+    assert verdicts["compile: recompilations / limit hits"] == "pass"
 
 
 def test_quality_compares_configs_and_the_reference(tmp_path):
