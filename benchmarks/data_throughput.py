@@ -13,7 +13,8 @@ scikit-image's sample photographs (the astronaut, the cat, the coffee cup, the r
 rescalings to 333-500 px on the shorter side, q 90, one class per photograph). Views/s of ``configs/moco_v2.yaml``'s
 views at ``--folder-size`` px through each path: PIL in DataLoader workers (``augment_on="workers"``, ``--workers``),
 PIL crops in the workers + colour batched (``augment_on="device"``), DALI (``backend="dali"``; on this CPU a
-CPU-only pipeline with ``--dali-threads``). Then a few training steps of that config (its ResNet-50 at
+CPU-only pipeline with ``--dali-threads``), and DALI with the fused decode-and-crop (``dali_fused_crop``: each view
+decodes only its crop window). Then a few training steps of that config (its ResNet-50 at
 ``--folder-size`` px, batch ``--folder-batch-size``) with each path: seconds per step and the fraction of it
 spent waiting for the next batch.
 """
@@ -161,6 +162,10 @@ def part2(args, device: torch.device) -> None:
             paths[f"DALI (CPU pipeline), {args.dali_threads} threads"] = (
                 "--data.init_args.backend=dali",
                 f"--data.init_args.num_workers={args.dali_threads}",
+            )
+            paths[f"DALI fused decode-crop, {args.dali_threads} threads"] = (
+                *paths[f"DALI (CPU pipeline), {args.dali_threads} threads"],
+                "--data.init_args.dali_fused_crop=true",
             )
         rates = {}
         for name, overrides in paths.items():

@@ -73,6 +73,8 @@ class DaliLoader(EpochPosition):
             (a validation loader), still sharded over the ranks.
         files: the :class:`~.images.ImageFileDataset` of these files, for unreadable ones: its ``skip_bad_images``
             policy and registry (None: an unreadable file is an error naming every unreadable file).
+        fused_crop: each random-resized crop decodes only its window (``fn.decoders.image_random_crop``, ROI
+            decoding: nvJPEG on the GPU, libjpeg-turbo on the CPU) instead of one whole decode cropped per view.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class DaliLoader(EpochPosition):
         channels: int = 3,
         shuffle: bool = True,
         files=None,
+        fused_crop: bool = False,
     ) -> None:
         require_dali()
         if mode not in ("pretrain", "linear", "eval"):
@@ -105,7 +108,7 @@ class DaliLoader(EpochPosition):
         self.epoch, self.shuffle = 0, shuffle and mode != "eval"
         self.sampler, self.batch_sampler = self, None  # Lightning calls ``sampler.set_epoch(epoch)`` every epoch
         self.equal_batches = mode != "eval"  # every rank gets as many full batches: gathers need not exchange sizes
-        self.files = files
+        self.files, self.fused_crop = files, fused_crop
         self._stand_ins: dict[int, int] = {}  # unreadable file -> the readable one of its class read instead
         self._targets_on: dict[str, torch.Tensor] = {}  # the targets on the outputs' device, looked up by index
 
@@ -228,12 +231,12 @@ class DaliLoader(EpochPosition):
             )
             if gpu:
                 label = label.gpu()
-            images = fn.decoders.image(
-                encoded, device="mixed" if gpu else "cpu", output_type=types.RGB if self.channels == 3 else types.GRAY
-            )
+            decode = dict(device="mixed" if gpu else "cpu", output_type=types.RGB if self.channels == 3 else types.GRAY)
             if self.mode == "eval":
-                x = fn.resize(images, resize_shorter=self.eval_resize)
+                x = fn.resize(fn.decoders.image(encoded, **decode), resize_shorter=self.eval_resize)
                 return self._normalise(x, crop=(st.image_size, st.image_size)), label
+            # fused: each view decodes only its crop window (ROI decoding), else one decode and a crop per view
+            images = (encoded, decode) if self.fused_crop else fn.decoders.image(encoded, **decode)
             if self.mode == "linear":
                 return self._view(images, st.image_size, (0.08, 1.0), colour=False), label
             views = [
@@ -265,7 +268,12 @@ class DaliLoader(EpochPosition):
         from nvidia.dali import fn, types
 
         st = self.settings
-        x = fn.random_resized_crop(images, size=(size, size), random_area=scale, random_aspect_ratio=(3 / 4, 4 / 3))
+        area = dict(random_area=scale, random_aspect_ratio=(3 / 4, 4 / 3))
+        if self.fused_crop:  # (encoded, decoder arguments): decode the random window only, then resize it
+            encoded, decode = images
+            x = fn.resize(fn.decoders.image_random_crop(encoded, **decode, **area), size=(size, size), antialias=True)
+        else:
+            x = fn.random_resized_crop(images, size=(size, size), **area)
         x = fn.cast(x, dtype=types.FLOAT)
         if colour and st.jitter_prob > 0 and any(st.jitter):
             b, c, s, h = st.jitter

@@ -90,6 +90,8 @@ class ImageFolderDataModule(TwoViewDataModule):
         backend: ``"pil"`` (DataLoader workers decode with PIL) or ``"dali"`` (NVIDIA DALI decodes and augments, on
             the GPU when there is one: :mod:`~moco_lightning.datamodules.dali`; ``num_workers`` is then its CPU
             thread count).
+        dali_fused_crop: with ``backend="dali"``, each random-resized crop decodes only its window (ROI decoding)
+            instead of cropping one whole decode per view: see ``benchmarks/data_throughput.py`` for when it pays.
         augment_on: ``"device"`` (crops in the workers, colour batched on the device), ``"workers"``
             (the whole lightly transform per image in the workers), or ``"auto"``: ``"device"`` when CUDA
             is available, else ``"workers"``. See the module docstring.
@@ -118,6 +120,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         local_scale: Tuple[float, float] = (0.05, 0.14),
         augment_on: Literal["auto", "device", "workers"] = "auto",
         backend: Literal["pil", "dali"] = "pil",
+        dali_fused_crop: bool = False,
         in_channels: Literal[1, 3] = 3,
         mean: Optional[Sequence[float]] = None,
         std: Optional[Sequence[float]] = None,
@@ -132,6 +135,8 @@ class ImageFolderDataModule(TwoViewDataModule):
             raise ConfigError(f"augment_on must be 'auto', 'device' or 'workers', got {augment_on!r}")
         if backend not in ("pil", "dali"):
             raise ConfigError(f"backend must be 'pil' or 'dali', got {backend!r}")
+        if dali_fused_crop and backend != "dali":
+            raise ConfigError("dali_fused_crop=true needs backend='dali' (the PIL path crops after one decode)")
         if backend == "dali":
             from .dali import require_dali
 
@@ -161,6 +166,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         self.view_settings: ViewSettings = settings
         self.data_dir, self.train_dir, self.val_dir = data_dir, train_dir, val_dir
         self.preset, self.augment_on, self.eval_resize, self.backend = preset, augment_on, eval_resize, backend
+        self.dali_fused_crop = dali_fused_crop
         self.skip_bad_images, self.train_subset, self.val_subset = skip_bad_images, train_subset, val_subset
         self._classes: Optional[List[str]] = None
         self._splits: dict[str, ImageFileDataset] = {}
@@ -339,4 +345,5 @@ class ImageFolderDataModule(TwoViewDataModule):
             self.in_channels,
             shuffle,
             ds,
+            self.dali_fused_crop,
         )

@@ -122,7 +122,8 @@ def test_data_throughput_paths():
         "1",
     )
     assert "BatchViews" in out and "kornia" in out and "DALI (CPU pipeline)" in out and "DALI / best PIL" in out
-    assert out.count("s/step, waiting") == 3  # PIL workers, PIL + batched colour, DALI
+    assert "DALI fused decode-crop" in out
+    assert out.count("s/step, waiting") == 4  # PIL workers, PIL + batched colour, DALI, DALI fused
 
 
 def test_ddp_queue_broadcast_runs_two_processes():

@@ -213,3 +213,20 @@ def test_unreadable_files_are_named_or_stood_in_for_within_their_class(tmp_path)
     assert len(set(index.tolist())) == 48 and all(torch.equal(b[1], ds.targets[b[2]]) for b in batches)
     met = {ds.paths[i].split("train/")[1] for i in index.tolist()} & set(named)  # the bad files this epoch drew
     assert met and {p.split("train/")[1] for p in skipping.bad_images} >= met
+
+
+def test_fused_decode_and_crop_gives_seeded_views_of_every_image(tmp_path):
+    """dali_fused_crop: each view decodes only its crop window (fn.decoders.image_random_crop); the contract, the
+    seeding and the order are the decode-then-crop path's."""
+    root = folder(tmp_path)
+    fused = dm(root, dali_fused_crop=True, local_views=1, local_size=16)
+    a, b = list(fused.train_dataloader()), list(fused.train_dataloader())
+    (v1, v2, l1), targets, index = a[0]
+    assert v1.shape == v2.shape == (4, 3, 32, 32) and l1.shape == (4, 3, 16, 16) and not torch.equal(v1, v2)
+    assert all(torch.equal(x[0][0], y[0][0]) for x, y in zip(a, b))  # the same epoch, the same views
+    plain = list(dm(root).train_dataloader())
+    assert all(torch.equal(x[2], y[2]) for x, y in zip(a, plain))  # the same order
+    assert not torch.equal(a[0][0][0], plain[0][0][0])  # other crops: decoded windows, not crops of a whole decode
+    assert float(v1.std()) > 0.1  # normalised pixels, not a blank
+    with pytest.raises(ValueError, match="dali_fused_crop=true needs backend='dali'"):
+        ImageFolderDataModule(root, backend="pil", dali_fused_crop=True)
