@@ -10,7 +10,7 @@ from moco_lightning import BYOL
 from moco_lightning.loss import normalized_mse
 
 from conftest import cpu_trainer, tiny_data
-from method_toys import tiny
+from method_toys import assert_resumes_bit_equal, tiny
 
 
 def test_normalized_mse_is_the_squared_distance_of_unit_vectors(seeded):
@@ -80,3 +80,7 @@ def test_a_step_checkpoint_holds_that_steps_momentum_update(seeded, tmp_path):
 def test_refuses_half_precision_weights(seeded):
     with pytest.raises(ValueError, match="target network"):
         cpu_trainer(max_steps=1, precision="bf16-true").fit(tiny(BYOL), tiny_data())
+
+
+def test_a_run_resumed_mid_epoch_is_bit_equal_to_the_uninterrupted_one(tmp_path):
+    assert_resumes_bit_equal(BYOL, tmp_path)

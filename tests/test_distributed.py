@@ -178,15 +178,35 @@ def test_uneven_batches_gather_enqueue_and_shuffle_bn_inverse(tmp_path):
         assert torch.equal(r["roundtrip"], r["direct"])
 
 
+class KeyEncoderInputs(Callback):
+    """Each rank's key views (``x_k`` of its batch) and what its key encoder was given, step by step."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.x_k, self.encoded = out_dir, [], []
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.key_backbone.register_forward_pre_hook(lambda m, args: self.encoded.append(args[0].detach().clone()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.x_k.append(batch[0][1].detach().clone())
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(
+            {"x_k": self.x_k, "encoded": self.encoded}, os.path.join(self.out_dir, f"keys{trainer.global_rank}.pt")
+        )
+
+
 def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
+    """Shuffle BN across ranks: each rank's key encoder encodes a sub-batch drawn from the key views of *both* ranks
+    (a shuffle that is drawn but not applied, or "ddp" treated as "off", leaves each rank its own rows), and the
+    queues stay identical."""
     from conftest import tiny_data
 
     seed_everything(0, verbose=False)
     model = tiny_moco(shuffle_bn="ddp", queue_size=48)
     ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=[Record(str(tmp_path))], limit_val_batches=0).fit(
-        model, tiny_data()
-    )
+    callbacks = [Record(str(tmp_path)), KeyEncoderInputs(str(tmp_path))]
+    cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0).fit(model, tiny_data())
     r0, r1 = (torch.load(tmp_path / f"rank{r}-of2.pt", weights_only=False) for r in (0, 1))
     assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == 2 * 2 * 16 % 48
     for name, value in r0["key_backbone"].items():  # the same key encoder weights on both ranks
@@ -194,6 +214,17 @@ def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
             assert torch.equal(value, r1["key_backbone"][name]), name
     # each rank's BN saw its own shuffled sub-batch: local statistics differ, as in the paper
     assert not torch.equal(r0["key_backbone"]["1.running_mean"], r1["key_backbone"]["1.running_mean"])
+    k0, k1 = (torch.load(tmp_path / f"keys{r}.pt") for r in (0, 1))
+    for step in range(2):
+        own = [k0["x_k"][step], k1["x_k"][step]]
+        for rank, keys in enumerate((k0, k1)):
+            encoded = keys["encoded"][step]
+            assert encoded.shape == own[rank].shape  # as many rows as the rank gave
+
+            from_mine, from_other = (
+                sum(any(torch.equal(row, other) for other in x) for row in encoded) for x in (own[rank], own[1 - rank])
+            )
+            assert from_mine + from_other == len(encoded) and from_mine > 0 and from_other > 0, (step, rank)
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])

@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 from moco_lightning import SwAV
 
 from conftest import cpu_trainer, tiny_data
-from method_toys import tiny
+from method_toys import assert_resumes_bit_equal, tiny
 from test_distributed import free_port, gloo_rank
 
 
@@ -129,28 +129,6 @@ def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
     assert not torch.allclose(together[:4], codes_by_hand(scores[:4], 3, 0.05))  # not one rank's alone
 
 
-def _freeze_worker(rank: int, port: int, out_dir: str) -> None:
-    with gloo_rank(rank, port):
-        torch.manual_seed(0)
-        toggled, ours = (torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)) for _ in range(2))
-        toggled[1].requires_grad_(False)  # lightly's SwaVPrototypes while frozen, when DDP is built
-        ddp_toggled, ddp_ours = (torch.nn.parallel.DistributedDataParallel(m) for m in (toggled, ours))
-        toggled[1].requires_grad_(True)  # ... and after its frozen steps
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
-        (ddp_toggled(x).sum() + ddp_ours(x).sum()).backward()
-        grads = {"toggled": toggled[1].weight.grad, "ours": ours[1].weight.grad}
-        torch.save(grads, os.path.join(out_dir, f"g{rank}.pt"))
-
-
-def test_ddp_ignores_a_requires_grad_toggle_which_is_why_prototypes_freeze_by_dropping_gradients(tmp_path):
-    """A parameter that required no gradient when DDP was built is never all-reduced after it is unfrozen: the
-    ranks' prototypes would drift apart. SwAV keeps them trainable and drops their gradient while frozen."""
-    mp.spawn(_freeze_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    g = [torch.load(tmp_path / f"g{i}.pt") for i in (0, 1)]
-    torch.testing.assert_close(g[0]["ours"], g[1]["ours"])  # all-reduced: equal on both ranks
-    assert not torch.allclose(g[0]["toggled"], g[1]["toggled"])  # each rank's own gradient
-
-
 def test_scores_and_loss_are_fp32_under_bf16_autocast(seeded):
     """The prototype Linear used to autocast to bf16, and Sinkhorn's exp(s/0.05) ran in bf16 (5.84375 vs 5.8456)."""
     model = tiny(SwAV)
@@ -162,3 +140,43 @@ def test_scores_and_loss_are_fp32_under_bf16_autocast(seeded):
         loss = model.views_loss(views)["loss"]
     assert all(s.dtype == torch.float32 for s in scores) and loss.dtype == torch.float32
     torch.testing.assert_close(loss, model.criterion(scores, []).squeeze(), rtol=1e-6, atol=1e-6)
+
+
+class PrototypesAtEachStep(Callback):
+    """Each rank's prototypes (unit rows) at the start and after every step, saved at the end."""
+
+    def __init__(self, out_dir):
+        self.out_dir, self.seen = out_dir, []
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen.append(F.normalize(pl_module.prototypes.layer.weight.detach(), dim=1).clone())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(pl_module.prototypes.layer.weight.detach().clone())
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.seen, os.path.join(self.out_dir, f"prototypes{trainer.global_rank}.pt"))
+
+
+def test_ddp_prototypes_stay_identical_on_both_ranks_and_unchanged_while_frozen(tmp_path):
+    """A 2-rank SwAV fit (gloo, spawn), prototypes frozen for the first epoch (2 steps): they do not move while frozen,
+    move after, and are the same on both ranks at every step (each rank sees other images: a prototype gradient that
+    DDP did not all-reduce, as after a requires_grad toggle, would make them drift apart)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    model = tiny(SwAV, n_prototypes=10, freeze_prototypes_epochs=1.0)
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    trainer = cpu_trainer(max_steps=4, max_epochs=2, devices=2, strategy=ddp, limit_val_batches=0)
+    trainer.callbacks.append(PrototypesAtEachStep(str(tmp_path)))
+    trainer.fit(model, tiny_data(batch_size=16, train_subset=64))  # 2 steps an epoch on each rank
+    r0, r1 = (torch.load(tmp_path / f"prototypes{r}.pt") for r in (0, 1))
+    assert len(r0) == len(r1) == 5
+    for a, b in zip(r0, r1):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(r0[1], r0[0])  # frozen: the start's unit rows
+    torch.testing.assert_close(r0[2], r0[0])
+    assert not torch.allclose(r0[3], r0[0]) and not torch.allclose(r0[4], r0[3])  # unfrozen: they learn
+
+
+def test_a_run_resumed_mid_epoch_is_bit_equal_to_the_uninterrupted_one(tmp_path):
+    assert_resumes_bit_equal(SwAV, tmp_path, freeze_prototypes_epochs=0.5)
