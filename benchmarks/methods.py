@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,26 +53,24 @@ SEEDS = {
 
 
 # --- part 2: the peak memory of one training step, in a fresh process ------------------------------------------
-def step_memory(config: str, overrides: list[str], batch: int, device: str) -> dict:
-    """Runs this file's ``--measure`` mode in a new process; returns its JSON."""
-    cmd = [
-        sys.executable,
-        __file__,
-        "--measure",
-        config,
-        "--batch",
-        str(batch),
-        "--device",
-        device,
-        f"--over={json.dumps(overrides)}",
-    ]
-    # a fixed mmap threshold: glibc then returns every large freed block at once, so the resident memory before the
-    # measured step is what is alive, not what an earlier step left in the heap
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory measurement of {config} {overrides} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def step_memory(config: str, overrides: list[str], batch: int, device: str, threads: int = 1) -> dict:
+    """:func:`measure` in a new process (forked from a server process that has imported torch and this library, and
+    has run nothing: no state of an earlier measurement, no 10 s of imports per measurement); returns its result."""
+    import multiprocessing
+
+    global _SERVER
+    if _SERVER is None:
+        # a fixed mmap threshold: glibc then returns every large freed block at once, so the resident memory before
+        # the measured step is what is alive, not what an earlier step left in the heap (read by glibc when the
+        # server starts; its forks inherit it)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        _SERVER = multiprocessing.get_context("forkserver")
+        _SERVER.set_forkserver_preload(["torch", "moco_lightning", "moco_lightning.cli", "_common"])
+    with _SERVER.Pool(1) as pool:
+        return pool.apply(measure, (config, overrides, batch, device, threads))
+
+
+_SERVER = None  # the forkserver context of the memory measurements
 
 
 def vm_hwm_mib() -> float:
@@ -88,17 +84,18 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def measure(config: str, overrides: list[str], batch: int, device: str) -> None:
-    """Two training steps of the config's model on random images of its size; prints the second's peak (JSON)."""
+def measure(config: str, overrides: list[str], batch: int, device: str, threads: int = 1) -> dict:
+    """Two training steps of the config's model on random images of its size; the second's peak (MiB)."""
     import torch
 
     from moco_lightning import MoCo
 
     quiet()
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, dm = from_config(config_path(config), *overrides)
     if getattr(getattr(dm, "view_settings", None), "local_views", 0):
-        raise SystemExit(f"{config}: local views are not measured here (two views only)")
+        raise ValueError(f"{config}: local views are not measured here (two views only)")
     model.to(device).train()
     if model.hparams.channels_last:
         model.to(memory_format=torch.channels_last)
@@ -131,11 +128,7 @@ def measure(config: str, overrides: list[str], batch: int, device: str) -> None:
     negatives = getattr(getattr(model, "queue", None), "size", 0) or 0
     if type(model).__name__ == "SimCLR":
         negatives = 2 * batch - 2
-    print(
-        json.dumps(
-            {"before_mib": before, "peak_mib": peak, "step_mib": max(0.0, peak - before), "negatives": negatives}
-        )
-    )
+    return {"before_mib": before, "peak_mib": peak, "step_mib": max(0.0, peak - before), "negatives": negatives}
 
 
 def memory_sweep(args) -> list[dict]:
@@ -148,7 +141,7 @@ def memory_sweep(args) -> list[dict]:
             ("SimCLR", METHODS["SimCLR"], [], simclr_batch),
             ("MoCo", METHODS["MoCo"], [f"--model.queue_size={n}"], moco_batch),
         ):
-            m = step_memory(config, over, batch, args.device)
+            m = step_memory(config, over, batch, args.device, args.threads)
             rows.append(dict(method=method, batch=batch, **m))
             print(
                 f"  {method:<6} batch {batch:5d}, {m['negatives']:5d} negatives: step peak {m['step_mib']:7.1f} MiB",
@@ -236,16 +229,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-quality", action="store_true", help="the memory measurements only")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "methods.png"))
     add_common_args(p)
-    # the --measure mode (one process per memory measurement)
-    p.add_argument("--measure", help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--over", default="[]", help=argparse.SUPPRESS)  # JSON: a list of CLI overrides
     args = p.parse_args(argv)
-    if args.measure:
-        import torch
-
-        torch.set_num_threads(args.threads)
-        return measure(args.measure, json.loads(args.over), args.batch, args.device)
     quiet()
     t0 = time.perf_counter()
     header("The seeds' comparison: MoCo, SimCLR, BYOL, SwAV", args)
@@ -256,7 +240,7 @@ def main(argv=None) -> None:
     own = {}
     for method in args.methods:
         batch = System(METHODS[method], args, None).batch_size()
-        own[method] = step_memory(METHODS[method], [], batch, args.device)
+        own[method] = step_memory(METHODS[method], [], batch, args.device, args.threads)
         print(f"  {method:<6} batch {batch}: step peak {own[method]['step_mib']:.1f} MiB", flush=True)
     print("-- against the number of negatives --", flush=True)
     sweep = memory_sweep(args)

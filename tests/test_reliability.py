@@ -190,7 +190,7 @@ def test_checkpoint_mismatch_says_what_differs(seeded, tmp_path):
         MoCo.load_from_checkpoint(tmp_path / "future.ckpt")
 
 
-def test_exported_backbone_loads_strictly_into_torchvision_and_gives_the_same_features(seeded, tmp_path):
+def test_exported_backbone_loads_strictly_into_torchvision_and_gives_the_same_features(seeded, tmp_path, capsys):
     model = MoCo(backbone="resnet18", in_channels=1, queue_size=16, dim=8, hidden_dim=16, shuffle_bn="off")
     trainer = cpu_trainer(max_steps=2, limit_val_batches=0)
     trainer.fit(model, tiny_data(batch_size=8, train_subset=16, val_subset=8))
@@ -207,40 +207,27 @@ def test_exported_backbone_loads_strictly_into_torchvision_and_gives_the_same_fe
     assert torch.equal(fresh(x), model(x))
     key = backbone_state_dict(ckpt, "key")
     assert not torch.equal(key["conv1.weight"], model.backbone.conv1.weight)  # the key encoder lags behind
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moco_lightning",
-            "export",
-            "--ckpt",
-            str(ckpt),
-            "--out",
-            str(tmp_path / "k.pt"),
-            "--encoder",
-            "key",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0 and "key encoder backbone" in result.stdout
+
+    def export(*args: str) -> tuple[int, str, str]:  # the command line's main, in this process (no 10 s of imports)
+        from moco_lightning.cli import main
+
+        capsys.readouterr()
+        try:
+            main(["export", *args])
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = export("--ckpt", str(ckpt), "--out", str(tmp_path / "k.pt"), "--encoder", "key")
+    assert code == 0 and "key encoder backbone" in out
     assert torch.equal(torch.load(tmp_path / "k.pt")["conv1.weight"], key["conv1.weight"])
-    missing = subprocess.run(
-        [sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(tmp_path / "nope.ckpt"), "--out", "x.pt"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert missing.returncode == 2 and "nope.ckpt does not exist" in missing.stderr
+    code, _, err = export("--ckpt", str(tmp_path / "nope.ckpt"), "--out", "x.pt")
+    assert code == 2 and "nope.ckpt does not exist" in err
     for out, says in ((tmp_path, "is a directory"), (Path("/proc/no/backbone.pt"), "cannot write there")):
-        bad = subprocess.run(
-            [sys.executable, "-m", "moco_lightning", "export", "--ckpt", str(ckpt), "--out", str(out)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert bad.returncode == 2 and says in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        code, _, err = export("--ckpt", str(ckpt), "--out", str(out))
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_an_export_says_what_it_holds_and_load_backbone_rebuilds_it(seeded, tmp_path):
