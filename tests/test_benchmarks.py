@@ -128,7 +128,11 @@ def test_data_throughput_paths():
 
 def test_ddp_queue_broadcast_runs_two_processes():
     out = run("ddp_queue_broadcast.py", "--steps", "2", "--queue-size", "1024")
-    assert "ms" in out
+    import re
+
+    rows = dict(re.findall(r"queue (excluded|broadcast) .*?([0-9.]+) ms/step", out))
+    assert set(rows) == {"excluded", "broadcast"} and all(float(v) > 0 for v in rows.values()), out
+    assert "queue 1024 x 128 fp32" in out and "x1.00" in out  # the excluded queue is the reference
 
 
 def test_recipe_search_selects_on_the_validation_split(tmp_path):

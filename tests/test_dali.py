@@ -67,6 +67,9 @@ def test_evaluation_loader_is_every_file_in_order_close_to_the_pil_transform(tmp
     )
     xa, xb = torch.cat([x[0] for x in a]), torch.cat([x[0] for x in b])
     assert xa.shape == xb.shape and (xa - xb).abs().mean() < 0.15  # resampling filters differ, the content does not
+    # the same normalisation, channel by channel (a missing or swapped one moves these by > 0.5), the same pixels
+    torch.testing.assert_close(xa.mean((0, 2, 3)), xb.mean((0, 2, 3)), rtol=0, atol=0.05)
+    assert torch.corrcoef(torch.stack([xa.flatten(), xb.flatten()]))[0, 1] > 0.97  # measured 0.987
 
 
 def test_grayscale_and_linear_evaluation_views(tmp_path):
@@ -230,3 +233,44 @@ def test_fused_decode_and_crop_gives_seeded_views_of_every_image(tmp_path):
     assert float(v1.std()) > 0.1  # normalised pixels, not a blank
     with pytest.raises(ValueError, match="dali_fused_crop=true needs backend='dali'"):
         ImageFolderDataModule(root, backend="pil", dali_fused_crop=True)
+
+
+def views_of(tmp_path, pixels: np.ndarray, mode: str, n: int = 32, **settings) -> torch.Tensor:
+    """``n`` copies of one PNG (lossless) through a DALI loader of ``mode``; its first view, (n, 3, 32, 32)."""
+    from PIL import Image
+
+    from moco_lightning.datamodules.transforms import view_settings
+
+    tmp_path.mkdir()
+    paths = []
+    for i in range(n):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(pixels).save(paths[-1])
+    st = view_settings("moco_v2", 32, **settings)
+    loader = DaliLoader(paths, [0] * n, mode, st, (0.5, 0.4, 0.3), (0.2, 0.25, 0.3), n, seed=0)
+    batch = next(iter(loader))
+    return batch[0][0] if mode == "pretrain" else batch[0]
+
+
+def test_training_views_are_normalised_cropped_flipped_and_jittered(tmp_path):
+    """DALI's training views, each operation checked on an image that shows it: a constant colour comes out as
+    (colour / 255 - mean) / std exactly; a horizontal ramp shows the crop (a window of 24.5 % to 100 % of the width)
+    and the flip (about half the views run backwards); colour jitter changes about 84 % of the views of a constant
+    colour (p 0.8, grayscale p 0.2; neither: 16 %)."""
+    colour = np.array([200, 100, 50], dtype=np.uint8)
+    flat = views_of(tmp_path / "flat", np.broadcast_to(colour, (48, 64, 3)).copy(), "linear")
+    expected = (torch.tensor(colour / 255.0) - torch.tensor([0.5, 0.4, 0.3])) / torch.tensor([0.2, 0.25, 0.3])
+    torch.testing.assert_close(flat, expected.float().view(1, 3, 1, 1).expand_as(flat), rtol=0, atol=1e-4)
+
+    ramp = np.broadcast_to(np.linspace(0, 255, 256).astype(np.uint8)[None, :, None], (256, 256, 3)).copy()
+    x = views_of(tmp_path / "ramp", ramp, "linear")[:, 0] * 0.2 + 0.5  # back to [0, 1], channel 0
+    rows = x[:, 16]  # (n, 32): the ramp across the view
+    span = (rows[:, -1] - rows[:, 0]).abs()  # the crop window's share of the width, in [0, 1]
+    assert span.min() >= 0.2 and span.max() <= 1.0 and span.max() - span.min() > 0.3  # random windows
+    backwards = (rows[:, -1] < rows[:, 0]).float().mean()
+    assert 0.2 <= backwards <= 0.8  # flipped with p 0.5
+
+    jittered = views_of(tmp_path / "jitter", np.broadcast_to(colour, (48, 64, 3)).copy(), "pretrain", n=64)
+    pure = expected.float().view(1, 3, 1, 1)
+    unchanged = ((jittered - pure).abs().amax(dim=(1, 2, 3)) < 1e-3).float().mean()
+    assert 0.02 <= unchanged <= 0.4, unchanged

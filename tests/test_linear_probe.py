@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from lightning.pytorch import Callback
+import torch.multiprocessing as mp
+from lightning.pytorch import Callback, LightningModule
+from torch.utils.data import DataLoader, TensorDataset
 
 from moco_lightning.callbacks import LinearProbe
+from moco_lightning.callbacks.linear_probe import probe_accuracy
 
 from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
@@ -97,3 +102,72 @@ def test_unlabelled_targets_are_ignored_not_an_error(seeded):
     )
     assert all(0.0 <= v <= 1.0 for _, v in logger.series("train/probe_acc1"))
     assert logger.series("val/probe_acc1")[-1][1] >= 0.9
+
+
+# --- under DDP, and the offline probe of the benchmarks -------------------------------------------------------
+class Features(LightningModule):
+    """A module whose ``forward(x)`` returns ``x``: the probe's inputs are the features themselves."""
+
+    def forward(self, x):
+        return x
+
+    def log_dict(self, *args, **kwargs):
+        pass
+
+
+def probe_case():
+    g = torch.Generator().manual_seed(0)
+    feats, y = torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+    val = TensorDataset(torch.randn(11, 5, generator=g), torch.randint(0, 3, (11,), generator=g))
+    return feats, y, DataLoader(val, batch_size=4)
+
+
+def train_probe(rank: int, world: int) -> dict:
+    """Three probe steps on this rank's half of a global batch of 8, then the validation accuracy."""
+    feats, y, val = probe_case()
+    probe, module = LinearProbe(num_classes=3, lr=0.5, val_dataloader=val), Features()
+    mine = slice(8 // world * rank, 8 // world * (rank + 1))
+    for step in range(3):
+        probe.on_train_batch_end(None, module, {"features": feats[mine]}, ([feats[mine]], y[mine]), step)
+    return {"weight": probe.classifier.weight.detach(), "acc": probe.evaluate(None, module)}
+
+
+def _ddp_probe_worker(rank: int, port: str, out_dir: str) -> None:
+    from test_distributed import gloo_rank
+
+    with gloo_rank(rank, port):
+        torch.save(train_probe(rank, 2), os.path.join(out_dir, f"probe{rank}.pt"))
+
+
+def test_ddp_probe_averages_gradients_and_sums_validation_counts(tmp_path):
+    """2 ranks (gloo), each with half of every batch: the probe's weights equal one process's on the whole batch (the
+    mean gradient, all-reduced: the same probe on every rank) and the validation accuracy is over the 11 images of
+    the split (each rank counts its share, the counts summed), not over one rank's share."""
+    from test_distributed import free_port
+
+    mp.spawn(_ddp_probe_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"probe{r}.pt") for r in (0, 1)]
+    alone = train_probe(0, 1)
+    assert torch.equal(ranks[0]["weight"], ranks[1]["weight"])
+    torch.testing.assert_close(ranks[0]["weight"], alone["weight"], rtol=1e-5, atol=1e-6)
+    assert ranks[0]["acc"] == ranks[1]["acc"] == alone["acc"]
+    acc1 = alone["acc"]["val/probe_acc1"]
+    assert 0 < acc1 < 1 and round(acc1 * 11) == pytest.approx(acc1 * 11)  # a count out of 11: not one rank's 5 or 6
+
+
+def test_probe_accuracy_separates_blobs_is_chance_on_noise_and_leaves_the_global_rng_alone():
+    """The offline probe every benchmark reports: near 1 on separable features, near chance on random labels,
+    features standardised with the train split's statistics (a shift and scale of both splits changes nothing), the
+    same result for the same seed, and the global RNG untouched."""
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(3, 16, generator=g) * 4
+    y_train, y_test = torch.randint(0, 3, (300,), generator=g), torch.randint(0, 3, (300,), generator=g)
+    train = centres[y_train] + torch.randn(300, 16, generator=g)
+    test = centres[y_test] + torch.randn(300, 16, generator=g)
+    state = torch.get_rng_state()
+    separable = probe_accuracy(train, y_train, test, y_test, 3, epochs=20, lr=1e-2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert separable >= 0.97
+    assert probe_accuracy(train * 100 + 7, y_train, test * 100 + 7, y_test, 3, epochs=20, lr=1e-2) == separable
+    noise = probe_accuracy(torch.randn(300, 16, generator=g), y_train, torch.randn(300, 16, generator=g), y_test, 3)
+    assert 0.2 <= noise <= 0.48
