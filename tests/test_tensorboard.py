@@ -63,12 +63,12 @@ def test_without_tensorboard_they_warn_and_do_nothing(seeded, tmp_path, logger_k
 
 
 def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, tmp_path):
-    """The real client: ``tensorboard`` started on a short MoCo run's folder (bounded wait, stopped by its PID)."""
+    """The real client: ``tensorboard`` started on a short MoCo run's folder (no sleeps: it names its own port once it
+    serves, with the logs loaded), stopped by its PID."""
     import json
-    import socket
+    import re
     import subprocess
     import sys
-    import time
     import urllib.request
     from pathlib import Path
 
@@ -87,44 +87,31 @@ def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, t
     cpu_trainer(max_epochs=1, logger=logger, callbacks=callbacks, log_every_n_steps=1, limit_val_batches=0).fit(
         tiny_moco(), tiny_data()
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     exe = Path(sys.executable).with_name("tensorboard")
+    # port 0: the server binds a free port itself (no port chosen here and released, which a parallel test could
+    # take); --reload_task blocking: the logs are loaded before it serves, so its first answer is complete
     server = subprocess.Popen(
-        [
-            str(exe),
-            "--logdir",
-            str(tmp_path),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--load_fast",
-            "false",
-            "--reload_interval",
-            "1",
-        ],
+        [str(exe), "--logdir", str(tmp_path), "--host", "127.0.0.1", "--port", "0", "--load_fast", "false"]
+        + ["--reload_interval", "0", "--reload_task", "blocking"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
     def get(path: str):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
             return json.loads(r.read())
 
     try:
+        port = None
+        for line in server.stderr:  # it says where it serves once it does: "... at http://127.0.0.1:PORT/ ..."
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+            if found:
+                port = int(found.group(1))
+                break
+        assert port is not None, "tensorboard exited without serving"
         wanted = {"train/loss", "val/knn_acc1", "val/probe_acc1", "diag/alignment", "diag/uniformity", "diag/queue_age"}
-        deadline, scalars = time.monotonic() + 120, {}
-        while time.monotonic() < deadline:
-            try:
-                scalars = get("/data/plugin/scalars/tags").get("run/version_0", {})
-                if wanted <= set(scalars):
-                    break
-            except OSError:  # not listening yet
-                pass
-            assert server.poll() is None, "tensorboard exited"
-            time.sleep(1)
+        scalars = get("/data/plugin/scalars/tags").get("run/version_0", {})
         assert wanted <= set(scalars), sorted(scalars)
         assert "train/views" in get("/data/plugin/images/tags")["run/version_0"]
         assert "run/version_0" in get("/data/plugin/projector/runs")
