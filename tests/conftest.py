@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import warnings
 
 import pytest
@@ -115,11 +114,3 @@ class KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class SlowDown(Callback):
-    """Sleeps after every training batch, so that a test can kill a run mid-epoch."""
-
-    def __init__(self, seconds: float = 0.3) -> None:
-        self.seconds = seconds
-
-    def on_train_batch_end(self, *args, **kwargs) -> None:
-        time.sleep(self.seconds)
