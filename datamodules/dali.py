@@ -161,8 +161,6 @@ class DaliLoader(EpochPosition):
                 pipe = self._pipeline(batches, start=i)
             try:
                 outputs = pipe.run(stream) if gpu else pipe.run()
-            except StopIteration:
-                raise
             except Exception as e:  # a file DALI cannot decode: name it (and every other), or read a stand-in
                 self._unreadable(batches[i : i + 2], e)
                 pipe = None  # rebuilt from this batch on, with the stand-ins

@@ -112,5 +112,3 @@ class KillAt(Callback):
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
-
-
