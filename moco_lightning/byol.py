@@ -69,7 +69,8 @@ class BYOL(Pretraining):
         p0, p1 = self.prediction_head(self.projection_head(h)).float().chunk(2)
         with torch.no_grad():
             z0, z1 = self.target_projection_head(self.target_backbone(x)).float().chunk(2)
-        loss = normalized_mse(p0, z1) + normalized_mse(p1, z0)
+        with torch.autocast(h.device.type, enabled=False):  # the cosines and the loss in fp32 under autocast
+            loss = normalized_mse(p0, z1) + normalized_mse(p1, z0)
         return dict(loss=loss, features=h[: len(x0)].detach())
 
     def step_scalars(self) -> dict[str, float]:

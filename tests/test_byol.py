@@ -84,3 +84,22 @@ def test_refuses_half_precision_weights(seeded):
 
 def test_a_run_resumed_mid_epoch_is_bit_equal_to_the_uninterrupted_one(tmp_path):
     assert_resumes_bit_equal(BYOL, tmp_path)
+
+
+def test_loss_is_fp32_under_bf16_autocast(seeded):
+    """Under bf16 autocast the loss is fp32 and equals 2 - 2 cos of the same predictions and targets in float64."""
+    model = tiny(BYOL)
+    model.train()
+    x0, x1 = torch.randn(16, 1, 28, 28), torch.randn(16, 1, 28, 28)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.views_loss([x0, x1])["loss"]
+        x = torch.cat([x0, x1])
+        p0, p1 = model.prediction_head(model.projection_head(model.backbone(x))).float().chunk(2)
+        with torch.no_grad():
+            z0, z1 = model.target_projection_head(model.target_backbone(x)).float().chunk(2)
+
+    def by_hand(p, z):
+        return (2 - 2 * torch.nn.functional.cosine_similarity(p.double(), z.double(), dim=1)).mean()
+
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), by_hand(p0, z1) + by_hand(p1, z0), rtol=1e-5, atol=1e-6)
