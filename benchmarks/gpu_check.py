@@ -118,9 +118,8 @@ class Clock(Callback):
             trainer.should_stop = True
 
     def rate(self, batch: int) -> float:
-        """Images/s of one rank over the timed steps (after the warm-up)."""
-        timed = len(self.ends) - self.warmup - 1
-        return batch * timed / (self.ends[-1] - self.ends[self.warmup]) if timed > 0 else float("nan")
+        """Images/s of this rank over the timed steps (after the warm-up)."""
+        return images_per_s(self.ends, self.warmup, batch)
 
     def on_train_end(self, trainer, pl_module):
         if self.folder is None:
@@ -128,6 +127,12 @@ class Clock(Callback):
         record = dict(ends=self.ends, queue=pl_module.queue.keys.cpu().tolist(), world=trainer.world_size)
         with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+def images_per_s(ends: List[float], warmup: int, batch: int) -> float:
+    """Images/s from the end times of a rank's batches, over the steps after the ``warmup`` first ones."""
+    timed = len(ends) - warmup - 1
+    return batch * timed / (ends[-1] - ends[warmup]) if timed > 0 else float("nan")
 
 
 class ShardedKNNPeak(Callback):
@@ -606,11 +611,7 @@ def check_ddp(device: str, size: dict, deadline: float) -> Result:
         wall = time.perf_counter() - t
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
         knns = [json.load(open(os.path.join(tmp, f"knn{r}.json"))) for r in range(world)]
-    per_gpu = []
-    for r in ranks:
-        c = Clock(size["warmup"], 0.0)
-        c.ends = r["ends"]
-        per_gpu.append(c.rate(batch))
+    per_gpu = [images_per_s(r["ends"], size["warmup"], batch) for r in ranks]
     same_queue = all(r["queue"] == ranks[0]["queue"] for r in ranks)
     same_knn = len({(k["acc1"], k["total"]) for k in knns}) == 1
     rate = min(per_gpu)
