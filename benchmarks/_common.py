@@ -81,11 +81,11 @@ def from_config(config: str | Path, *overrides: str):
     from lightning.pytorch import LightningDataModule
 
     from moco_lightning import MoCo, Pretraining
+    from moco_lightning._lightning import own_hyperparameters
     from moco_lightning.cli import MoCoCLI
-    from moco_lightning.linear_eval import _own_hyperparameters
 
     args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
-    with _own_hyperparameters():
+    with own_hyperparameters():
         cli = MoCoCLI(
             Pretraining,
             LightningDataModule,

@@ -365,8 +365,9 @@ def check_checkpoint(device: str, size: dict, deadline: float) -> Result:
         saver = ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1)
         trainer(device, 2, callbacks=[saver], enable_checkpointing=True).fit(moco(size), synthetic_datamodule(size))
         path = os.path.join(tmp, os.listdir(tmp)[0])
-        loaded = MoCo.load_from_checkpoint(path, map_location=device, weights_only=False)
-        rng_device = loaded._rng_to_restore["torch"].device.type if loaded._rng_to_restore else "none"
+        loaded = MoCo.load_from_checkpoint(path, map_location=device)
+        rng = loaded._resume.get("rng")
+        rng_device = rng["torch"].device.type if rng else "none"
         resumed = moco(size)
         trainer(device, 4).fit(resumed, synthetic_datamodule(size), ckpt_path=path)
         step = int(resumed.queue.enqueued_at.max())

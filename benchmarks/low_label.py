@@ -40,7 +40,8 @@ def classifier_from_config(*overrides: str):
     """(LinearClassifier, datamodule, trainer) of ``configs/low_label.yaml`` with overrides, built by the CLI."""
     from lightning.pytorch.cli import LightningCLI
 
-    from moco_lightning.linear_eval import LinearClassifier, _own_hyperparameters
+    from moco_lightning._lightning import own_hyperparameters
+    from moco_lightning.linear_eval import LinearClassifier
 
     args = [
         "--config",
@@ -52,7 +53,7 @@ def classifier_from_config(*overrides: str):
         "--trainer.accelerator=cpu",
         *overrides,
     ]
-    with _own_hyperparameters():
+    with own_hyperparameters():
         cli = LightningCLI(LinearClassifier, subclass_mode_data=True, run=False, args=args, save_config_callback=None)
     return cli.model, cli.datamodule, cli.trainer
 

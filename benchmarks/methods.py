@@ -88,7 +88,7 @@ def measure(config: str, overrides: list[str], batch: int, device: str, threads:
     """Two training steps of the config's model on random images of its size; the second's peak (MiB)."""
     import torch
 
-    from moco_lightning import MoCo
+    from moco_lightning.contrastive import Contrastive
 
     quiet()
     torch.set_num_threads(threads)
@@ -104,12 +104,12 @@ def measure(config: str, overrides: list[str], batch: int, device: str, threads:
     opt = torch.optim.SGD([p for m in model.trained_modules() for p in m.parameters()], lr=0.01, momentum=0.9)
 
     def step() -> None:
-        out = model.contrast(*views) if isinstance(model, MoCo) else model.views_loss(views)
+        out = model.contrast(*views) if isinstance(model, Contrastive) else model.views_loss(views)
         out["loss"].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if hasattr(model, "queue") and "keys" in out and out["keys"] is not None:
-            model.queue.enqueue(out["keys"].detach(), step=0)
+        if out.get("stored"):  # what the dictionary keeps (MoCo's queue)
+            model.dictionary.store(*out["stored"], step=0)
 
     step()  # the optimizer's state exists from here on
     if device == "cuda":

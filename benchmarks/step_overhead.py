@@ -82,7 +82,7 @@ def module_step(model, opt, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
         out["loss"].backward()
         opt.step()
         model.momentum_update(model.hparams.momentum)
-        model.queue.enqueue(out["keys"])
+        model.queue.enqueue(out["stored"][0])
 
     return run
 

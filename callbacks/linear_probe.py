@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from moco_lightning.base import describe_batch
+from moco_lightning.batches import describe_batch
 from moco_lightning.errors import ConfigError
 
 from ._utils import (

@@ -71,25 +71,41 @@ class EpochPosition:
     def current_epoch(self) -> int:
         raise NotImplementedError
 
+    def epoch_samples(self) -> int:
+        """The number of samples this loader's epoch orders (a changed training set changes the order)."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict:
-        return {"epoch": self.current_epoch(), "batches": self._yielded, "batch_size": self.batch_size}
+        return {
+            "epoch": self.current_epoch(),
+            "batches": self._yielded,
+            "batch_size": self.batch_size,
+            "samples": self.epoch_samples(),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._resume_at = (int(state_dict["epoch"]), int(state_dict["batches"]), state_dict.get("batch_size"))
+        self._resume_at = (
+            int(state_dict["epoch"]),
+            int(state_dict["batches"]),
+            {k: state_dict.get(k) for k in ("batch_size", "samples")},
+        )
 
     def start_epoch(self) -> int:
         """Called as an epoch's batches start: the batches to skip (a resumed epoch's done ones, else 0)."""
         skip = 0
         if self._resume_at is not None:
-            epoch, batches, saved_batch_size = self._resume_at
+            epoch, batches, saved = self._resume_at
             self._resume_at = None
             skip = batches if epoch == self.current_epoch() else 0
-            if skip and saved_batch_size is not None and saved_batch_size != self.batch_size:
+            now = {"batch_size": self.batch_size, "samples": self.epoch_samples()}
+            changed = [k for k, v in saved.items() if v is not None and v != now[k]]
+            if skip and changed:
+                what = "; ".join(f"{k} {saved[k]} then, {now[k]} now" for k in changed)
                 raise ConfigError(
-                    f"the checkpoint was written mid-epoch ({skip} batches into it) with batch_size {saved_batch_size}"
-                    f"; resuming with batch_size {self.batch_size} would train on other images than the interrupted "
-                    f"epoch's rest: resume with batch_size {saved_batch_size}, or from a checkpoint written at an "
-                    "epoch's end"
+                    f"the checkpoint was written mid-epoch ({skip} batches into it) and the training data changed "
+                    f"({what}; batch_size is data.batch_size, the sample count follows data.train_subset): resuming "
+                    "would train on other images than the interrupted epoch's rest; resume with the settings it was "
+                    "written with, or from a checkpoint written at an epoch's end"
                 )
         self._yielded = skip
         return skip
@@ -111,6 +127,9 @@ class ResumableDataLoader(EpochPosition, DataLoader):
 
     def current_epoch(self) -> int:
         return int(getattr(self.sampler, "epoch", 0))
+
+    def epoch_samples(self) -> int:
+        return len(self.sampler)
 
     def __iter__(self) -> Iterator:  # type: ignore[override]
         # a generator: runs at the first batch, after Lightning's ``set_epoch`` (an iterator made earlier, as

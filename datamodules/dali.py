@@ -143,6 +143,9 @@ class DaliLoader(EpochPosition):
         return n // self.batch_size if self.shuffle else math.ceil(n / self.batch_size)
 
     # --- resuming mid-epoch (EpochPosition: Lightning saves and loads the state of a training loader) -------------
+    def epoch_samples(self) -> int:
+        return len(self.paths)
+
     def current_epoch(self) -> int:
         return self.epoch
 

@@ -7,7 +7,7 @@ convolution and no max-pool, for ResNets), and grayscale images a one-channel fi
 
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Any, Mapping, Tuple, Union
 
 import torch
 import torchvision
@@ -25,8 +25,38 @@ def torchvision_models() -> list[str]:
     return sorted(torchvision.models.list_models(module=torchvision.models))
 
 
+#: where a backbone given as a ``{class_path, init_args}`` spec may come from (a checkpoint names it: nothing else
+#: is imported or called for a file's say-so)
+SPEC_PACKAGES = ("moco_lightning.", "torchvision.", "timm.")
+
+
+def is_backbone_spec(value: Any) -> bool:
+    """A backbone described as ``{"class_path": ..., "init_args": {...}}`` (how the CLI records a module it built)."""
+    return isinstance(value, Mapping) and isinstance(value.get("class_path"), str)
+
+
+def build_from_spec(spec: Mapping) -> nn.Module:
+    """The ``nn.Module`` a spec describes; only classes of :data:`SPEC_PACKAGES` that are ``nn.Module`` subclasses."""
+    import importlib
+
+    path = spec["class_path"]
+    module_name, _, name = path.rpartition(".")
+    found = None
+    if path.startswith(SPEC_PACKAGES):
+        try:
+            found = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            found = None
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise ConfigError(
+            f"backbone class_path {path!r}: not an nn.Module class of {', '.join(p[:-1] for p in SPEC_PACKAGES)}; "
+            "build that backbone yourself and pass the module (backbone=...)"
+        )
+    return found(**dict(spec.get("init_args") or {}))
+
+
 def build_backbone(
-    backbone: Union[str, nn.Module],
+    backbone: Union[str, nn.Module, Mapping],
     cifar_stem: bool = False,
     in_channels: int = 3,
     image_size: int = 224,
@@ -39,13 +69,16 @@ def build_backbone(
             with random weights; ``"timm:<name>"`` for a timm model (``"timm:resnet10t"``,
             ``"timm:vit_small_patch16_224"``:
             random weights, no classifier, ``in_chans`` and, for models that take it, ``img_size`` set; extra
-            ``[timm]``); or an ``nn.Module`` mapping images to features (N, D).
+            ``[timm]``); or an ``nn.Module`` mapping images to features (N, D), or its ``{class_path, init_args}``
+            spec (:func:`build_from_spec`).
         cifar_stem: ResNets only: 3x3 stride-1 first convolution, no max-pool (for 28-64 px images).
         in_channels: input channels; the first convolution is rebuilt when this is not 3.
         image_size: side of the dummy input used to find D when it cannot be read off the model.
         width: ResNets only: every stage's channels times ``width`` (0.5: 32-64-128-256 for ResNet-18),
             for small data and small machines.
     """
+    if is_backbone_spec(backbone):
+        backbone = build_from_spec(backbone)
     if isinstance(backbone, nn.Module):
         return backbone, _probe_dim(backbone, in_channels, image_size)
     if isinstance(backbone, str) and backbone.startswith("timm:"):

@@ -9,7 +9,6 @@ hidden 4096, output 256). The momentum update follows the optimizer step in ``on
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Literal, Sequence
 
 import torch
@@ -19,7 +18,7 @@ from torch import Tensor, nn
 from .base import Pretraining
 from .errors import check_arguments
 from .loss import normalized_mse
-from .optim import momentum_at, momentum_update
+from .momentum import MomentumCopy
 
 
 class BYOL(Pretraining):
@@ -29,11 +28,12 @@ class BYOL(Pretraining):
         hidden_dim, dim: projector and predictor sizes (4096, 256).
         momentum: τ_base of the target's θ_t ← τ·θ_t + (1 − τ)·θ_online.
         momentum_schedule: ``"cosine"`` (the paper: τ from τ_base to 1 over training) or ``"constant"``.
+        optimizer, lr, weight_decay, warmup_epochs: the paper's (§3.2): LARS, lr 0.2 per 256 images (3.2 at batch
+            4096), weight decay 1.5e-6, 10 warm-up epochs, then cosine.
         **kwargs: the backbone, optimizer and schedule of :class:`~moco_lightning.base.Pretraining`.
     """
 
     STRUCTURAL = Pretraining.STRUCTURAL + ("hidden_dim", "dim")
-    finished_state = ("target_",)
 
     def __init__(
         self,
@@ -41,17 +41,21 @@ class BYOL(Pretraining):
         dim: int = 256,
         momentum: float = 0.996,
         momentum_schedule: Literal["constant", "cosine"] = "cosine",
+        optimizer: Literal["sgd", "lars", "adamw"] = "lars",
+        lr: float = 0.2,
+        weight_decay: float = 1.5e-6,
+        warmup_epochs: float = 10.0,
         **kwargs: Any,
     ) -> None:
         check_arguments(type(self).__name__, BYOL.__init__, locals())
-        super().__init__(**kwargs)
-        self.record_hyperparameters(locals())
+        super().__init__(optimizer=optimizer, lr=lr, weight_decay=weight_decay, warmup_epochs=warmup_epochs, **kwargs)
         self.projection_head = BYOLProjectionHead(self.feature_dim, hidden_dim, dim)
         self.prediction_head = BYOLPredictionHead(dim, hidden_dim, dim)
         # the target: a copy of the online backbone and projector, moved only by the momentum update
-        self.target_backbone, self.target_projection_head = (
-            copy.deepcopy(m).requires_grad_(False) for m in (self.backbone, self.projection_head)
-        )
+        self.target = MomentumCopy(self, "target_", ("backbone", "projection_head"), momentum, momentum_schedule)
+
+    def momentum_copies(self) -> dict[str, str]:
+        return dict(self.target.pairs)
 
     def trained_modules(self) -> list[nn.Module]:
         return [self.backbone, self.projection_head, self.prediction_head]
@@ -59,7 +63,7 @@ class BYOL(Pretraining):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if stage == "fit":
-            self.refuse_half_precision_weights("the target network")
+            self.target.refuse_half_precision(self, "the target network")
 
     def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
         """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network."""
@@ -74,18 +78,12 @@ class BYOL(Pretraining):
         return dict(loss=loss, features=h[: len(x0)].detach())
 
     def step_scalars(self) -> dict[str, float]:
-        return {"train/momentum": self.momentum_at(self.global_step + 1)}  # m of this step's update
+        return self.target.scalars(self)
 
     def finish_step(self) -> None:
         """θ_t ← τ·θ_t + (1 − τ)·θ_online, only after a real optimizer step (not an accumulation micro-batch)."""
-        if self.optimizer_stepped():
-            momentum_update(
-                [self.target_backbone, self.target_projection_head],
-                [self.backbone, self.projection_head],
-                self.momentum_at(self.global_step),  # m(j) after the j-th step (optim.momentum_at)
-            )
+        self.target.after_step(self)
 
     def momentum_at(self, step: int) -> float:
         """τ(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
-        hp = self.hparams
-        return momentum_at(*self.planned_step(step), hp.momentum, hp.momentum_schedule)
+        return self.target.at(self, step)

@@ -1,28 +1,118 @@
-"""What a moco-lightning checkpoint holds besides the weights, and the checks made when one is loaded.
+"""Reading checkpoints safely, what a moco-lightning checkpoint holds besides the weights, and resuming from one.
 
-- ``checkpoint["moco_lightning"]``: the checkpoint format version, the library version that wrote it, and the
-  global RNG states (torch, numpy, Python, CUDA) of **every** rank, so that a resumed run continues each rank's
-  own random stream. Only rank 0 writes the file, so the states are gathered from all ranks while saving
-  (Lightning saves on every rank: ``Trainer.save_checkpoint`` must be called on all of them).
-- Format 1 (moco-lightning 0.1.0) held rank 0's states only; it is still read.
+- :func:`read_checkpoint` is the one place where the library reads a checkpoint or an exported backbone from a file:
+  ``torch.load(weights_only=True)``, which refuses any file that would import and call code while it is unpickled
+  (a downloaded checkpoint can carry such a payload). A file that needs pickle is refused with one line naming the
+  global it asks for; for a source you trust, ``MOCO_LIGHTNING_ALLOW_PICKLE=1`` lifts the restriction.
+- ``checkpoint["moco_lightning"]``: the format version, the library version that wrote it, the step plan of the
+  schedules, the momentum copies (``{"backbone": "key_backbone", ...}``), and the global RNG states (torch, numpy,
+  Python, CUDA) of **every** rank, so that a resumed run continues each rank's own random stream (only rank 0
+  writes the file: the states are gathered from all ranks while saving).
+- Format 1 held rank 0's RNG states only; format 2 recorded the fixed values that MoCo v3, EndToEnd and
+  MemoryBankMoCo passed to MoCo's constructor (``queue_size=0``...) as hyper-parameters, and an empty queue:
+  :func:`upgrade` drops them, so those checkpoints still load.
 """
 
 from __future__ import annotations
 
+import inspect
+import os
 import random
+import re
 import warnings
-from typing import Any, Iterable, Mapping, Optional
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
 
 import numpy as np
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 
 from . import __version__
 from .distributed import gather_objects, rank, world_size
-from .errors import ConfigError
+from .errors import ConfigError, DataNotFoundError
 
-FORMAT_VERSION = 2  # bumped when the layout of the saved state changes
+FORMAT_VERSION = 3  # bumped when the layout of the saved state changes
+ALLOW_PICKLE = "MOCO_LIGHTNING_ALLOW_PICKLE"  # "1": load checkpoints with full pickle (trusted sources only)
 
 
+def pickle_allowed() -> bool:
+    """Whether the user opted in to full-pickle loading (``MOCO_LIGHTNING_ALLOW_PICKLE=1``); off by default."""
+    return os.environ.get(ALLOW_PICKLE, "").strip().lower() in ("1", "true", "yes")
+
+
+def safe_load(source: Any, map_location: Any = "cpu") -> Any:
+    """``torch.load`` with ``weights_only=True`` unless the user opted in to pickle (:data:`ALLOW_PICKLE`)."""
+    return torch.load(source, map_location=map_location, weights_only=not pickle_allowed())
+
+
+_KEPT: dict = {}  # one checkpoint already read (a candidate of `--ckpt_path last`), handed to the next read of it
+
+
+def read_checkpoint(
+    path: Any,
+    expect: Literal["checkpoint", "export", "either"] = "checkpoint",
+    arg: str = "",
+    map_location: Any = "cpu",
+    keep: bool = False,
+) -> Any:
+    """The checkpoint (a Lightning checkpoint dict), the export (a backbone state dict) or either at ``path``, or a
+    one-line :class:`ConfigError` naming the file (and ``arg``, the setting that gave it): missing, a directory,
+    empty or torn, a file that needs pickle (the global it names), or not what ``expect`` asks for.
+
+    ``keep``: hold the result for the next read of the same unchanged file (the CLI reads ``last.ckpt`` to check it
+    and again to restore it)."""
+    where = f"{arg} {path}" if arg else str(path)
+    p = Path(path)
+    if not p.exists():
+        raise DataNotFoundError(f"{where}: no such file; give a .ckpt written by `moco-lightning fit` (or an export)")
+    if p.is_dir():
+        raise ConfigError(f"{where} is a directory: give the checkpoint file inside it (e.g. {p / 'last.ckpt'})")
+    key = (str(p.resolve()), p.stat().st_mtime_ns, p.stat().st_size)
+    loaded = _KEPT.pop(key, None)
+    _KEPT.clear()
+    if loaded is None:
+        try:
+            loaded = safe_load(p, map_location)
+        except Exception as e:  # noqa: BLE001 - torch.load's errors: UnpicklingError, EOFError, RuntimeError...
+            raise ConfigError(_unreadable(where, p, e)) from None
+    if keep:
+        _KEPT[key] = loaded
+    is_checkpoint = isinstance(loaded, dict) and "state_dict" in loaded
+    is_export = (
+        isinstance(loaded, dict) and not is_checkpoint and all(isinstance(v, torch.Tensor) for v in loaded.values())
+    )
+    if expect == "checkpoint" and not is_checkpoint:
+        raise ConfigError(
+            f"{where}: not a Lightning checkpoint (no state_dict)"
+            + (": an exported backbone? use it with load_backbone or model.backbone_state_dict" if is_export else "")
+        )
+    if expect == "export" and not is_export:
+        raise ConfigError(
+            f"{where}: not an exported backbone (a state dict of tensors)"
+            + (": a training checkpoint? export it first: moco-lightning export --ckpt ..." if is_checkpoint else "")
+        )
+    if expect == "either" and not (is_checkpoint or is_export):
+        raise ConfigError(f"{where}: neither a checkpoint nor an exported backbone ({type(loaded).__name__})")
+    return loaded
+
+
+def _unreadable(where: str, path: Path, error: Exception) -> str:
+    text = str(error)
+    needs = re.search(r"GLOBAL ([\w.]+)", text)  # torch names the global a weights-only load refused to import
+    if needs:
+        return (
+            f"{where}: refused: loading it needs pickle to import {needs.group(1)}, which could run code on this "
+            "machine (moco-lightning loads checkpoints with weights_only=True); if you trust where the file comes "
+            f"from, set {ALLOW_PICKLE}=1 to load it with full pickle"
+        )
+    size, first = path.stat().st_size, text.splitlines()[0][:80] if text else "truncated"
+    return (
+        f"{where}: not a readable checkpoint ({size} bytes; {type(error).__name__}: {first}): a save interrupted by "
+        "a kill or a full disk leaves such a file; use an earlier checkpoint of the run"
+    )
+
+
+# --- what the library writes ------------------------------------------------------------------
 def rng_states() -> dict:
     """This process's global RNG states, as CPU tensors and plain types (``torch.load(weights_only=True)`` reads
     them)."""
@@ -42,22 +132,21 @@ def set_rng_states(states: Mapping) -> None:
     torch.set_rng_state(states["torch"].cpu().to(torch.uint8))
     kind, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
-    random.setstate(_as_python_state(states["python"]))
+    version, internal, gauss = states["python"]  # a round trip through some loaders turns the tuples into lists
+    random.setstate((version, tuple(internal), gauss))
     cuda = states.get("cuda")
     if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([s.cpu().to(torch.uint8) for s in cuda])
 
 
-def _as_python_state(state: Any) -> tuple:
-    version, internal, gauss = state  # a round trip through some loaders turns the tuples into lists
-    return version, tuple(internal), gauss
-
-
-def metadata() -> dict:
+def metadata(**extra: Any) -> dict:
     """``checkpoint["moco_lightning"]``; a collective under DDP (every rank's RNG states are gathered)."""
-    return {"format_version": FORMAT_VERSION, "version": __version__, "rng_states": gather_objects(rng_states())}
+    meta = {"format_version": FORMAT_VERSION, "version": __version__, "rng_states": gather_objects(rng_states())}
+    meta.update({k: v for k, v in extra.items() if v is not None})
+    return meta
 
 
+# --- what the library reads back --------------------------------------------------------------
 def check_format(meta: Optional[Mapping], who: str) -> None:
     if meta is None:
         raise ConfigError(f"{who}: this checkpoint was not written by moco-lightning (no 'moco_lightning' entry)")
@@ -65,6 +154,61 @@ def check_format(meta: Optional[Mapping], who: str) -> None:
         raise ConfigError(
             f"{who}: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is newer than "
             f"this moco-lightning {__version__} reads (format {FORMAT_VERSION}): upgrade moco-lightning"
+        )
+
+
+def constructor_arguments(cls: type) -> set[str]:
+    """The arguments ``cls(...)`` accepts: its ``__init__``'s and, through ``**kwargs``, its bases' (to Lightning's)."""
+    from lightning.pytorch import LightningModule
+
+    names: set[str] = set()
+    for c in cls.__mro__:
+        if c is LightningModule or not issubclass(c, LightningModule):
+            break
+        if "__init__" in vars(c):
+            params = inspect.signature(c.__init__).parameters.values()
+            names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return names
+
+
+def upgrade(checkpoint: dict, cls: type) -> None:
+    """A format-1/2 checkpoint of ``cls`` in today's layout (in place; nothing to do for format 3).
+
+    Format 2 recorded as hyper-parameters the values that MoCo v3, EndToEnd and MemoryBankMoCo passed to MoCo's
+    constructor (``queue_size=0``, ``momentum=0.0``, ``head='mlp'``...) and kept an empty queue in their state: these
+    classes no longer take or have them. Dropped settings that were the user's (EndToEnd's ``shuffle_bn``) are
+    named in a warning."""
+    meta = checkpoint.get("moco_lightning") or {}
+    if meta.get("format_version", FORMAT_VERSION) >= 3:
+        return
+    hparams = checkpoint.get("hyper_parameters") or {}
+    accepted = constructor_arguments(cls)
+    dropped = {k: hparams.pop(k) for k in list(hparams) if not k.startswith("_") and k not in accepted}
+    fixed = {"queue_size": 0, "momentum": 0.0, "momentum_schedule": "constant", "head": "mlp", "symmetric": True}
+    own = {k: v for k, v in dropped.items() if k not in fixed or fixed[k] != v}
+    if own:
+        warnings.warn(
+            f"{cls.__name__} no longer takes {', '.join(sorted(own))} (a format-{meta.get('format_version')} "
+            "checkpoint): ignored",
+            stacklevel=3,
+        )
+    state = checkpoint.get("state_dict") or {}
+    if "queue.keys" in state and state["queue.keys"].numel() == 0:  # the empty queue of a queue-free dictionary
+        for name in ("queue.keys", "queue.ptr", "queue.enqueued_at"):
+            state.pop(name, None)
+
+
+def check_structure(saved: Mapping, current: Mapping, fields: tuple, who: str) -> None:
+    """One error naming every structural hyper-parameter in which a checkpoint and a model differ."""
+    differ = [
+        f"{k}: checkpoint {saved[k]!r}, model {current[k]!r}"
+        for k in fields
+        if k in saved and k in current and saved[k] != current[k]
+    ]
+    if differ:
+        raise ConfigError(
+            f"{who}: the checkpoint does not fit this model (" + "; ".join(differ) + "). Build the model with the "
+            "checkpoint's settings (load_from_checkpoint does) or start a new run."
         )
 
 
@@ -85,29 +229,49 @@ def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
     return saved[rank()]
 
 
-def load_pending_loader_states(trainer: Any) -> None:
-    """Hands the training loaders the states Lightning read from the checkpoint (their mid-epoch position), if it
-    has not: call at ``on_train_start``.
+def load_module(
+    cls: type, checkpoint_path: Any, map_location: Any = None, strict: Optional[bool] = None, **kwargs: Any
+):
+    """``cls.load_from_checkpoint``: the file read by :func:`read_checkpoint` (weights only), a checkpoint of another
+    class refused naming both, older formats upgraded, then Lightning builds the module and loads the weights."""
+    from ._lightning import module_from_checkpoint
 
-    Lightning loads them while it sets up the training data at the start of ``fit``, but only if that set-up has not
-    happened yet; ``configure_optimizers`` asking for ``trainer.estimated_stepping_batches`` (the schedules here)
-    sets up the data earlier, before the checkpoint is restored, and the states are then never loaded: the resumed
-    epoch restarted from its first batch (lightning 2.6). The loader's iterator is made lazily (a generator), so at
-    ``on_train_start`` it has not drawn a batch yet."""
-    fit_loop = getattr(trainer, "fit_loop", None)
-    if fit_loop is not None and getattr(fit_loop, "_combined_loader_states_to_load", None):
-        fit_loop._load_combined_loader_states()
-
-
-def check_structure(saved: Mapping, current: Mapping, fields: Iterable[str], who: str) -> None:
-    """One error naming every structural hyper-parameter in which a checkpoint and a model differ."""
-    differ = [
-        f"{k}: checkpoint {saved[k]!r}, model {current[k]!r}"
-        for k in fields
-        if k in saved and k in current and saved[k] != current[k]
-    ]
-    if differ:
+    checkpoint = read_checkpoint(checkpoint_path, map_location=map_location or "cpu")
+    saved = (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+    if saved and saved.rsplit(".", 1)[-1] != cls.__name__ and not _is_subclass_path(saved, cls):
         raise ConfigError(
-            f"{who}: the checkpoint does not fit this model (" + "; ".join(differ) + "). Build the model with the "
-            "checkpoint's settings (load_from_checkpoint does) or start a new run."
+            f"{checkpoint_path}: a checkpoint of {saved}, not of {cls.__module__}.{cls.__qualname__}: load it with "
+            f"{saved.rsplit('.', 1)[-1]}.load_from_checkpoint"
         )
+    upgrade(checkpoint, cls)
+    # built by cls(**hyper-parameters) itself: a backbone the CLI built from a class_path is recorded as that spec,
+    # which build_backbone rebuilds (Lightning's CLI instantiator would hand over a module and lose the spec)
+    for private in ("_class_path", "_instantiator"):
+        (checkpoint.get("hyper_parameters") or {}).pop(private, None)
+    return module_from_checkpoint(cls, checkpoint, strict, **kwargs)
+
+
+def _is_subclass_path(path: str, cls: type) -> bool:
+    """``path`` names an already imported subclass of ``cls`` (nothing is imported for a checkpoint's say-so)."""
+    import sys
+
+    module, _, name = path.rpartition(".")
+    found = getattr(sys.modules.get(module), name, None)
+    return isinstance(found, type) and issubclass(found, cls)
+
+
+def load_checkpoints_safely(trainer: Any) -> None:
+    """Makes the Trainer read ``ckpt_path`` (fit, validate, test, predict) through :func:`read_checkpoint`: weights
+    only, whatever ``weights_only`` its caller passed (Lightning's default is full pickle). Called from the
+    modules' ``setup``, which runs before the Trainer restores a checkpoint; a checkpoint IO of the user's own
+    (not Lightning's default) is left alone."""
+    strategy = trainer.strategy
+    if type(getattr(strategy, "checkpoint_io", None)) is TorchCheckpointIO:
+        strategy.checkpoint_io = SafeCheckpointIO()
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint IO, reading through :func:`read_checkpoint` (``weights_only=True``)."""
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict:
+        return read_checkpoint(path, arg="ckpt_path", map_location=map_location or "cpu")

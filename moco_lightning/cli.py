@@ -33,12 +33,14 @@ from typing import Any, Optional
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
+from ._lightning import CLIHooks
 from .base import Pretraining
+from .checkpoint import read_checkpoint, upgrade
 from .errors import ConfigError
 from .moco import MoCo
 
 
-class MoCoCLI(LightningCLI):
+class MoCoCLI(CLIHooks, LightningCLI):
     """LightningCLI with resumable ``--ckpt_path last``, checked resume settings and a final-metrics table.
 
     ``default_model``: the class of a ``model:`` section without ``class_path`` (the configs of MoCo v1/v2 give
@@ -50,20 +52,55 @@ class MoCoCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         if self._default_model is not None:
-            cls = self._default_model
-            parser.set_defaults({"model": {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
+            self._model_default(parser, self._default_model)
+
+    @staticmethod
+    def _model_default(parser: Any, cls: type) -> None:
+        parser.set_defaults({"model": {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
+        sub = next((a for a in (sys.argv[1:] if args is None else args) if a in SUBCOMMANDS), None)
+        if self._default_model is not None and sub is not None:
+            # A config without a model class_path trains the default class (MoCo). But jsonargparse carries the
+            # default class's settings over to another class_path (SimCLR got MoCo's temperature): find the class
+            # the command names (without printing), make it the default, then parse for real.
+            quiet = [a for a in (sys.argv[1:] if args is None else args) if not a.startswith("--print_config")]
+            named = _model_class(
+                _plain(parser.parse_args(quiet, _skip_validation=True)[sub]["model"]), self._default_model
+            )
+            self._model_default(self.subcommand_parser(sub), named)
         super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         self._given_model: Optional[dict] = None
+        if sub in ("test", "predict"):
+            raise ConfigError(REFUSED[sub])
         if sub and sub in self.config:
             if self.config[sub].get("ckpt_path") == "last":
                 self.config[sub]["ckpt_path"] = resolve_last_checkpoint(self.config[sub])
             path = self.config[sub].get("ckpt_path")
             if path:  # Lightning now replaces the model's settings by the checkpoint's
                 self._given_model = _plain(self.config[sub]["model"])
-                check_checkpoint_class(read_checkpoint(path), path, self._given_model, self.model_class)
+                check_checkpoint_class(
+                    read_checkpoint(path, arg="--ckpt_path", keep=True), path, self._given_model, self.model_class
+                )
+
+    def model_from_checkpoint(self) -> None:
+        """The model's settings of a ``--ckpt_path`` run are the checkpoint's (as Lightning does), read safely
+        (weights only) and upgraded from older formats."""
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if not path or not Path(path).is_file():
+            return
+        checkpoint = read_checkpoint(path, arg="--ckpt_path", keep=True)
+        cls = _model_class(self._given_model, self._default_model or self.model_class)
+        upgrade(checkpoint, cls)
+        hparams = dict(checkpoint.get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "init_args": hparams}
+        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
 
     def before_instantiate_classes(self) -> None:
         sub = self.subcommand
@@ -129,24 +166,6 @@ def final_metrics_table(metrics: dict, trainer: Any) -> str:
             when = f"  (measured at step {at})"
         lines.append(f"  {name:<{width}}  {value:.4g}{when}")
     return "\n".join(lines)
-
-
-def read_checkpoint(path: str) -> dict:
-    """The checkpoint at ``path``, or a one-line error naming the file (missing, empty, truncated, not a checkpoint)."""
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--ckpt_path {path}: no such file; give a .ckpt written by `moco-lightning fit` or 'last'")
-    try:
-        ckpt = _load(path)
-    except Exception as e:  # noqa: BLE001 - torch.load's errors for a torn file are EOFError, RuntimeError, KeyError...
-        raise ConfigError(
-            f"--ckpt_path {path}: not a readable checkpoint ({os.path.getsize(path)} bytes; {type(e).__name__}: "
-            f"{str(e)[:80] or 'truncated'}): a save interrupted by a kill or a full disk leaves such a file; resume "
-            "from an earlier checkpoint of the run"
-        ) from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
-        raise ConfigError(f"--ckpt_path {path}: not a Lightning checkpoint (no state_dict): an exported backbone?")
-    return ckpt
 
 
 def check_checkpoint_class(ckpt: dict, path: str, model: Any, default: type) -> None:
@@ -222,38 +241,22 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
     return str(newest)
 
 
-_KEPT: dict = {}  # the checkpoint newest_readable loaded, handed to read_checkpoint once instead of a second load
-
-
-def _load(path: Any, keep: bool = False) -> Any:
-    """torch.load of a checkpoint on the CPU; ``keep``: hold it for the next ``_load`` of the same file (one only)."""
-    import torch
-
-    key = (str(path), os.stat(path).st_mtime_ns)
-    ckpt = _KEPT.pop(key, None)
-    _KEPT.clear()
-    if ckpt is None:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if keep:
-        _KEPT[key] = ckpt
-    return ckpt
-
-
 def newest_readable(paths: list) -> Optional[Path]:
     """The newest of ``paths`` that loads, falling back past torn ones (and to the run's other checkpoints) with one
     line naming both; None when none loads."""
     lasts = sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
     others = {c for p in paths for c in Path(p).parent.glob("*.ckpt")} - set(lasts)  # top-k and step saves
     ordered = lasts + sorted(others, key=lambda p: p.stat().st_mtime, reverse=True)  # last.ckpt first, then those
-    newest = lasts[0]
+    newest, why = lasts[0], ""
     for p in ordered:
         try:
-            _load(p, keep=True)
-        except Exception:  # noqa: BLE001 - any failure to load is a torn file here
+            read_checkpoint(p, keep=True)
+        except ConfigError as e:  # torn, empty, or refused (it needs pickle)
+            why = why or str(e).split(": ", 1)[-1].split(";")[0].split(" (")[0]
             continue
         if Path(p) != Path(newest):
             print(
-                f"moco-lightning: --ckpt_path last: {newest} is not readable (torn or empty); resuming {p}, the newest "
+                f"moco-lightning: --ckpt_path last: {newest} could not be used ({why}); resuming {p}, the newest "
                 "readable checkpoint",
                 file=sys.stderr,
                 flush=True,
@@ -298,6 +301,14 @@ def _plain(value: Any) -> Any:
 
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+REFUSED = {  # subcommands Lightning offers that have nothing to run here: one line each, saying what to use instead
+    "test": "test: a pretraining run has no test step, and a datamodule of this library no test split of its own: "
+    "measure the encoder with `moco-lightning evaluate --ckpt <checkpoint>` (kNN, linear, low-label), or "
+    "`validate --ckpt_path <checkpoint>` for the pretext metrics on the held-out split",
+    "predict": "predict: for features, export the backbone (`moco-lightning export --ckpt <checkpoint> --out "
+    "backbone.pt`) and run it on your images, or call trainer.predict(model, dataloaders=...) from Python "
+    "(predict_step returns backbone features); for class predictions use linear_eval's classifier in Python",
+}
 DESCRIPTION = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR, BYOL, SwAV) with Lightning.
 
   moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
@@ -413,12 +424,16 @@ def run_cli(
         sys.stderr.write(f"{command}: error: {condense_parser_error(str(e))}\n  ({command} --help lists the options)\n")
         sys.exit(2)
     except Exception as e:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         cause = e  # jsonargparse wraps a constructor's error in its own ValueError: look down the chain
-        while cause is not None and not isinstance(cause, (ConfigError, BadImageError)):
+        while cause is not None and not isinstance(cause, (ConfigError, BadImageError, MisconfigurationException)):
             cause = cause.__cause__ or cause.__context__
         if cause is None or os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
-        sys.stderr.write(f"{prog}: error: {cause}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
+        command = f"{prog} {sub}" if sub else prog
+        text = " ".join(str(cause).split())  # Lightning's messages span lines
+        sys.stderr.write(f"{command}: error: {text}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
         sys.exit(2)
 
 

@@ -13,39 +13,66 @@ Select one in a config with ``model: {class_path: moco_lightning.EndToEnd, init_
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import warnings
+from typing import Any, Literal, Optional
 
-import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from .contrastive import Contrastive
 from .errors import ConfigError, check_arguments
+from .heads import projection_head
 from .memory_bank import MemoryBank
-from .moco import MoCo
+from .negatives import InBatch, Negatives
 
 
-class EndToEnd(MoCo):
+class EndToEnd(Contrastive):
     """End-to-end: q and k from the same encoder, gradients through both; negatives = the rest of the global batch.
+    Defaults: the MoCo paper's comparison of the three mechanisms (Fig. 3: v1's linear head and T 0.07).
 
-    Takes :class:`MoCo`'s arguments except the queue and the momentum (there is neither)."""
+    Args:
+        head: ``"linear"`` (v1) or ``"mlp"`` (v2) projection head.
+        symmetric: both views serve as query; loss = L(q1, k2) + L(q2, k1).
+        temperature: T of the logits (v1: 0.07).
+        **kwargs: ``dim``, ``hidden_dim``, ``temperature``, ``decay_norm_bias`` of
+            :class:`~moco_lightning.contrastive.Contrastive` and the backbone/optimizer arguments (no queue, no
+            momentum, no shuffle BN: the keys come from the query encoder, in the same batch as their negatives).
+    """
 
-    has_key_encoder = False
+    STRUCTURAL = Contrastive.STRUCTURAL + ("head",)
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(queue_size=0, momentum=0.0, momentum_schedule="constant", **kwargs)
+    def __init__(
+        self,
+        head: Literal["linear", "mlp"] = "linear",
+        symmetric: bool = False,
+        temperature: float = 0.07,
+        **kwargs: Any,
+    ) -> None:
+        check_arguments(type(self).__name__, EndToEnd.__init__, locals())
+        super().__init__(temperature=temperature, **kwargs)
+        self.symmetric = symmetric
+        self.in_batch = InBatch()
 
-    def positives_and_negatives(self, x_k: Tensor, index: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-        return self.query(x_k)[1], None
+    def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
+        return projection_head(self.hparams.head, self.feature_dim, self.hparams.hidden_dim, self.hparams.dim), None
+
+    @property
+    def dictionary(self) -> Negatives:
+        return self.in_batch
+
+    def positive_keys(self, x: Tensor, index: Optional[Tensor]) -> Tensor:
+        return self.query(x)[1]
 
     def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
         h, q = self.query(x_q)
         k = self.query(x_k)[1]  # the second view's query is its key: nothing to recompute for the symmetric loss
-        if not self.hparams.symmetric:
+        if not self.symmetric:
             return h, [(q, k, None)], [q], [k]
         return h, [(q, k, None), (k, q, None)], [q, k], [q, k]
 
 
-class MemoryBankMoCo(MoCo):
-    """InstDisc's memory bank as MoCo's dictionary.
+class MemoryBankMoCo(Contrastive):
+    """InstDisc's memory bank as MoCo's dictionary. Defaults: InstDisc's and the MoCo paper's comparison (Fig. 3):
+    4096 negatives, bank momentum 0.5, a linear head to 128-d, T 0.07.
 
     Args:
         memory_bank_size: rows of the bank: the number of training images (checked once at fit start). Batches
@@ -53,15 +80,24 @@ class MemoryBankMoCo(MoCo):
         num_negatives: features sampled from the bank (uniformly, with replacement) as each step's negatives.
         bank_momentum: m of the stored features' update (InstDisc: 0.5). With ``symmetric``, the row moves towards
             the mean of both views' queries (one row per image).
-        **kwargs: :class:`MoCo`'s arguments except the queue and the encoder momentum (there is no key encoder).
+        head: ``"linear"`` (v1) or ``"mlp"`` (v2) projection head.
+        symmetric: both views serve as query.
+        temperature: T of the logits (InstDisc and v1: 0.07).
+        **kwargs: ``dim``, ``hidden_dim``, ``temperature``, ``decay_norm_bias`` of
+            :class:`~moco_lightning.contrastive.Contrastive` and the backbone/optimizer arguments (no key encoder).
     """
 
-    has_key_encoder = False
-    stores_by_index = True
-    STRUCTURAL = MoCo.STRUCTURAL + ("memory_bank_size",)
+    STRUCTURAL = Contrastive.STRUCTURAL + ("head", "memory_bank_size")
 
     def __init__(
-        self, memory_bank_size: int = 0, num_negatives: int = 4096, bank_momentum: float = 0.5, **kwargs: Any
+        self,
+        memory_bank_size: int = 0,
+        num_negatives: int = 4096,
+        bank_momentum: float = 0.5,
+        head: Literal["linear", "mlp"] = "linear",
+        symmetric: bool = False,
+        temperature: float = 0.07,
+        **kwargs: Any,
     ) -> None:
         if memory_bank_size < 1:
             raise ConfigError(
@@ -69,23 +105,19 @@ class MemoryBankMoCo(MoCo):
                 f"got {memory_bank_size}: set memory_bank_size = the number of training images"
             )
         check_arguments("MemoryBankMoCo", MemoryBankMoCo.__init__, locals())
-        super().__init__(queue_size=0, momentum=0.0, momentum_schedule="constant", **kwargs)
-        self.memory_bank = MemoryBank(memory_bank_size, self.hparams.dim)
-        self.record_hyperparameters(locals())
+        super().__init__(temperature=temperature, **kwargs)
+        self.symmetric = symmetric
+        self.memory_bank = MemoryBank(memory_bank_size, self.hparams.dim, num_negatives, bank_momentum)
 
-    def positives_and_negatives(self, x_k: Tensor, index: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
-        if index is None:
-            raise ConfigError(
-                "MemoryBankMoCo needs each image's index: batches (views, targets, index), as "
-                "moco-lightning's datamodules give them"
-            )
-        return self.memory_bank.positives(index), self.memory_bank.sample(self.hparams.num_negatives)
+    def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
+        return projection_head(self.hparams.head, self.feature_dim, self.hparams.hidden_dim, self.hparams.dim), None
 
-    def to_store(self, queries: list[Tensor], keys: list[Tensor]) -> Tensor:
-        return torch.stack(queries).mean(0).detach()  # one row per image: with both views as queries, their mean
+    @property
+    def dictionary(self) -> Negatives:
+        return self.memory_bank
 
-    def store(self, stored: Tensor, index: Optional[Tensor]) -> None:
-        self.memory_bank.update(index, stored, self.hparams.bank_momentum)
+    def positive_keys(self, x: Tensor, index: Optional[Tensor]) -> Tensor:
+        return self.memory_bank.positives(MemoryBank.require_index(index))
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -100,5 +132,13 @@ class MemoryBankMoCo(MoCo):
                 f"images; set memory_bank_size to {n} (one bank row per training image)"
             )
 
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            warnings.warn(
+                "MemoryBankMoCo has no validation loss: validation images have no row in the memory bank (their "
+                "positives); validation runs the callbacks only (KNNMonitor, LinearProbe)",
+                stacklevel=2,
+            )
+
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Nothing: validation images have no rows in the bank."""
+        """Nothing: validation images have no rows in the bank (see :meth:`on_validation_start`)."""

@@ -15,6 +15,7 @@ encoder or BYOL's target.
 from __future__ import annotations
 
 import argparse
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -22,54 +23,60 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from torch import nn
 
-from .errors import ConfigError, DataNotFoundError
+from .backbones import is_backbone_spec
+from .checkpoint import read_checkpoint
+from .errors import ConfigError
 
-PREFIX = {"query": ("backbone.",), "key": ("key_backbone.", "target_backbone.")}
 ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width")  # build_backbone's arguments
 
 
 def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] = "query") -> dict[str, torch.Tensor]:
-    """The query (default) or key encoder's backbone weights from a MoCo checkpoint, keys as in torchvision."""
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise DataNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # not a torch file at all: UnpicklingError, RuntimeError (zip), EOFError (truncated)...
-        raise ConfigError(
-            f"{path} is not a checkpoint: torch.load cannot read it ({type(e).__name__}: {e}). Pass "
-            "a .ckpt file written by `moco-lightning fit` (under <run>/checkpoints/)"
-        ) from None
-    return checkpoint_backbone(checkpoint, path, encoder)
+    """The query (default) or key encoder's backbone weights from a checkpoint, keys as in torchvision."""
+    return checkpoint_backbone(read_checkpoint(ckpt_path, arg="--ckpt"), ckpt_path, encoder)
+
+
+def momentum_backbone(checkpoint: dict) -> Optional[str]:
+    """The state-dict name of the backbone's momentum copy (MoCo's key encoder, BYOL's target), or None."""
+    copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies")
+    if copies is not None:
+        return copies.get("backbone")
+    # format 2 did not record the copies: the one child named <prefix>_backbone holds it
+    names = {m.group(1) for k in checkpoint["state_dict"] if (m := re.match(r"(\w+_backbone)\.", k))}
+    return names.pop() if len(names) == 1 else None
 
 
 def checkpoint_backbone(
     checkpoint: Any, path: str | Path, encoder: Literal["query", "key"] = "query"
 ) -> dict[str, torch.Tensor]:
-    """:func:`backbone_state_dict` of a checkpoint already loaded from ``path`` (named in the errors)."""
+    """:func:`backbone_state_dict` of a checkpoint already read from ``path`` (named in the errors)."""
     if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
         raise ConfigError(
             f"{path} is not a checkpoint of moco-lightning pretraining (no 'moco_lightning' / 'state_dict' entry)"
         )
-    for prefix in PREFIX[encoder]:
-        state = {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-        if state:
-            break
-    else:
-        raise ConfigError(f"{path}: no {' or '.join(p + '*' for p in PREFIX[encoder])} weights in its state_dict")
-    described = OrderedDict(state)
+    name = "backbone" if encoder == "query" else momentum_backbone(checkpoint)
+    if name is None:
+        raise ConfigError(
+            f"{path}: this method has no momentum encoder (no key encoder or target network): export the query "
+            "encoder (--encoder query)"
+        )
+    prefix = name + "."
+    state = OrderedDict((k[len(prefix) :], v) for k, v in checkpoint["state_dict"].items() if k.startswith(prefix))
+    if not state:
+        raise ConfigError(f"{path}: no {prefix}* weights in its state_dict")
     architecture = describe(checkpoint.get("hyper_parameters") or {})
     if architecture is not None:
-        described._metadata = OrderedDict({DESCRIPTION: architecture})  # type: ignore[attr-defined]
-    return described
+        state._metadata = OrderedDict({DESCRIPTION: architecture})  # type: ignore[attr-defined]
+    return state
 
 
 DESCRIPTION = "moco_lightning"  # the key of the architecture in an export's _metadata
 
 
 def describe(hparams: dict) -> Optional[dict]:
-    """The architecture a checkpoint's hyper-parameters name (None for a backbone module of the user's own)."""
-    if not isinstance(hparams.get("backbone"), str):
+    """The architecture a checkpoint's hyper-parameters name: a backbone name, or the ``{class_path, init_args}``
+    spec of a module the CLI built (None for a backbone module of the user's own)."""
+    backbone = hparams.get("backbone")
+    if not isinstance(backbone, str) and not is_backbone_spec(backbone):
         return None
     return {k: hparams[k] for k in ARCHITECTURE if k in hparams}
 
@@ -87,20 +94,11 @@ def load_backbone(path: str | Path) -> nn.Module:
 
 def load_export(path: str | Path) -> tuple[nn.Module, int]:
     """``(backbone, feature_dim)`` of an exported file; one-line errors naming the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataNotFoundError(f"{path} does not exist: give the file `moco-lightning export --out` wrote")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file
-        raise ConfigError(
-            f"{path} is not an exported backbone: torch.load cannot read it ({type(e).__name__})"
-        ) from None
-    return rebuild_export(state, path)
+    return rebuild_export(read_checkpoint(path, expect="export"), path)
 
 
 def rebuild_export(state: Any, path: str | Path) -> tuple[nn.Module, int]:
-    """``(backbone, feature_dim)`` of an exported state dict already loaded from ``path`` (named in the errors)."""
+    """``(backbone, feature_dim)`` of an exported state dict already read from ``path`` (named in the errors)."""
     from .backbones import build_backbone
 
     architecture = description(state) if isinstance(state, dict) else None
@@ -117,9 +115,11 @@ def rebuild_export(state: Any, path: str | Path) -> tuple[nn.Module, int]:
 def export_backbone(ckpt_path: str | Path, out_path: str | Path, encoder: Literal["query", "key"] = "query") -> Path:
     """Writes :func:`backbone_state_dict` to ``out_path`` with ``torch.save``; returns the path."""
     out = Path(out_path)
-    state = backbone_state_dict(ckpt_path, encoder)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory: give a file name, e.g. {out / 'backbone.pt'}")
+    if out.exists() and not out.is_file():
+        raise ConfigError(f"--out {out} is not a regular file (a device or a pipe): give a file name")
+    state = backbone_state_dict(ckpt_path, encoder)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, out)
@@ -132,17 +132,19 @@ def export_backbone(ckpt_path: str | Path, out_path: str | Path, encoder: Litera
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="moco-lightning export", description="Write a MoCo checkpoint's backbone as a plain state dict."
+        prog="moco-lightning export", description="Write a checkpoint's backbone as a plain state dict."
     )
-    parser.add_argument("--ckpt", required=True, help="MoCo checkpoint (.ckpt)")
+    parser.add_argument("--ckpt", required=True, help="checkpoint of any pretraining method (.ckpt)")
     parser.add_argument("--out", required=True, help="where to write the state dict (.pt)")
-    parser.add_argument("--encoder", choices=("query", "key"), default="query", help="which encoder (default: query)")
+    parser.add_argument(
+        "--encoder", choices=("query", "key"), default="query", help="query encoder (default) or its momentum copy"
+    )
     args = parser.parse_args(argv)
     try:
         out = export_backbone(args.ckpt, args.out, args.encoder)
+        written = read_checkpoint(out, expect="export")  # the file reads back as an export
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"moco-lightning export: error: {e}\n")
-    written = torch.load(out)
     arch = description(written) or {}
     what = ", ".join(f"{k} {v}" for k, v in arch.items()) or "architecture not recorded: a backbone module of your own"
     print(f"wrote {out} ({len(written)} tensors, {args.encoder} encoder backbone; {what})")

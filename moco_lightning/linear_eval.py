@@ -20,10 +20,10 @@ pretrained encoder has to beat (``configs/low_label.yaml`` has the three side by
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-from typing import Any, Iterator, Literal, Optional, Sequence, Union
+import warnings
+from typing import Any, Literal, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,10 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from . import _lightning
+from . import checkpoint as ckpt
 from .backbones import build_backbone
-from .checkpoint import load_pending_loader_states
-from .errors import ConfigError, DataNotFoundError
+from .errors import ConfigError
 
 __all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main"]
 
@@ -67,18 +68,8 @@ def balanced_subset(
 
 
 def _read_checkpoint(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise DataNotFoundError(
-            f"checkpoint {path!r} not found: set model.ckpt_path (or model.backbone_state_dict) to a file written "
-            "by pretraining, e.g. runs/<name>/version_0/checkpoints/<epoch=...>.ckpt"
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a torn, empty or text file: EOFError, RuntimeError, UnpicklingError...
-        raise ConfigError(
-            f"{path}: not a readable checkpoint or export ({os.path.getsize(path)} bytes; {type(e).__name__}): a save "
-            "interrupted by a kill or a full disk leaves such a file; give an earlier checkpoint of the run"
-        ) from None
+    """A checkpoint of pretraining or an export (weights only: :func:`moco_lightning.checkpoint.read_checkpoint`)."""
+    return ckpt.read_checkpoint(path, expect="either", arg="model.ckpt_path")
 
 
 def load_backbone_weights(backbone: nn.Module, path: str) -> None:
@@ -90,27 +81,6 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
         raise ConfigError(f"{path}: expected a state dict or a Lightning checkpoint, got {type(state).__name__}")
     prefixed = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
     backbone.load_state_dict(prefixed if prefixed else state, strict=True)
-
-
-@contextlib.contextmanager
-def _own_hyperparameters() -> Iterator[None]:
-    """Lets a LightningModule built inside this one record its own hyper-parameters.
-
-    While LightningCLI instantiates a module it hands that module's arguments to every
-    ``save_hyperparameters()`` call through a context variable, so a MoCo rebuilt inside
-    ``LinearClassifier.__init__`` would record the classifier's arguments instead of its own (and
-    MoCo's checkpoint check then rejects the checkpoint). Cleared here for the nested construction.
-    """
-    try:
-        from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
-    except ImportError:  # a Lightning without the mechanism: nothing to clear
-        yield
-        return
-    token = _given_hyperparameters.set(None)
-    try:
-        yield
-    finally:
-        _given_hyperparameters.reset(token)
 
 
 class LinearClassifier(LightningModule):
@@ -140,9 +110,10 @@ class LinearClassifier(LightningModule):
             datamodule's training split (seeded by ``label_seed``; the datamodule must offer ``train_targets()`` and
             ``select_train(indices)``, as every in-memory datamodule of this library does).
         finetune: train the backbone too, BatchNorm in train mode, at ``backbone_lr`` (None: ``lr``); the head at
-            ``lr``; SGD with ``momentum`` and ``weight_decay`` for both.
+            ``lr``; SGD with ``momentum`` and ``weight_decay`` for both. None: what ``from_scratch`` says.
         from_scratch: the same architecture (from the checkpoint's hyper-parameters, or ``backbone``), randomly
-            initialised, fine-tuned (implies ``finetune``): the supervised baseline.
+            initialised, the whole network trained at ``lr`` (implies ``finetune``; ``backbone_lr`` is for a
+            pretrained backbone): the supervised baseline.
 
     Batches are ``(image, target[, index])``. Logs ``train/loss``, ``train/acc1``, ``val/loss``,
     ``val/acc1``, ``val/acc5`` (fractions in [0, 1]). Lightning's "Found N module(s) in eval mode at
@@ -171,11 +142,16 @@ class LinearClassifier(LightningModule):
         label_fraction: Optional[float] = None,
         labels_per_class: Optional[int] = None,
         label_seed: int = 0,
-        finetune: bool = False,
+        finetune: Optional[bool] = None,
         backbone_lr: Optional[float] = None,
         from_scratch: bool = False,
     ) -> None:
         super().__init__()
+        if from_scratch and finetune is False:
+            raise ConfigError(
+                "from_scratch=True trains the whole network from a random initialisation, finetune=False freezes the "
+                "backbone: set finetune true (or leave it unset), or drop from_scratch"
+            )
         if label_fraction is not None or labels_per_class is not None:
             check_label_subset(label_fraction, labels_per_class)
         if backbone_lr is not None and backbone_lr <= 0:
@@ -190,6 +166,17 @@ class LinearClassifier(LightningModule):
             raise ConfigError("give either ckpt_path or backbone_state_dict, not both")
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         self.finetune = bool(finetune or from_scratch)
+        self.hparams.finetune = self.finetune  # what this run does, in hparams.yaml and checkpoints
+        if backbone_lr is not None and (from_scratch or not self.finetune):
+            warnings.warn(
+                f"backbone_lr={backbone_lr} is not used: "
+                + (
+                    f"from scratch the whole network trains at lr={lr} (backbone_lr is for a pretrained backbone)"
+                    if from_scratch
+                    else "finetune is false (the backbone is frozen)"
+                ),
+                stacklevel=2,
+            )
         if backbone is None:
             source = ckpt_path if ckpt_path is not None else backbone_state_dict
             if source is None:
@@ -260,14 +247,46 @@ class LinearClassifier(LightningModule):
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
 
     def setup(self, stage: str) -> None:
-        hp = self.hparams
+        hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
+        ckpt.load_checkpoints_safely(self.trainer)
+        self._check_data(dm)
         if stage == "fit" and (hp.label_fraction is not None or hp.labels_per_class is not None):
             self._select_labels()
         if self.head is None:
-            n = getattr(getattr(self.trainer, "datamodule", None), "num_classes", None)
+            n = getattr(dm, "num_classes", None)
             if n is None:
                 raise ConfigError("LinearClassifier: pass num_classes or use a datamodule with a num_classes attribute")
             self._build_head(n)
+
+    def _check_data(self, dm: Any) -> None:
+        """The datamodule gives what a classifier of this backbone can learn: labelled single images of the
+        backbone's channels, at least two classes, as many as the head has."""
+        if dm is None:
+            return
+        if getattr(dm, "pretrain", False):
+            raise ConfigError(
+                "LinearClassifier trains on (image, target) batches, but the datamodule gives pretraining views "
+                "(pretrain true): set data.init_args.pretrain false"
+            )
+        n = getattr(dm, "num_classes", None)
+        if n is not None and n < 2:
+            raise ConfigError(
+                f"LinearClassifier: the datamodule has {n} class(es): a classifier needs at least 2 labelled classes "
+                "(for an image folder: one subfolder of train/ and val/ per class)"
+            )
+        if n is not None and self.head is not None and self.head.out_features != n:
+            raise ConfigError(
+                f"LinearClassifier: model.num_classes={self.head.out_features}, but the datamodule has {n} classes: "
+                f"set model.num_classes {n} (or leave it unset: read from the datamodule)"
+            )
+        first = next((m for m in self.backbone.modules() if isinstance(m, nn.Conv2d)), None)
+        channels = getattr(dm, "in_channels", None)
+        if first is not None and channels is not None and first.in_channels != channels:
+            raise ConfigError(
+                f"LinearClassifier: the backbone takes {first.in_channels}-channel images, the datamodule gives "
+                f"{channels}-channel ones: set the datamodule's in_channels {first.in_channels} (grayscale: 1), or "
+                "evaluate a backbone pretrained on such images"
+            )
 
     def _select_labels(self) -> None:
         """Restricts the datamodule's training split to the seeded, class-stratified label subset (once per fit)."""
@@ -277,7 +296,16 @@ class LinearClassifier(LightningModule):
                 f"LinearClassifier: label_fraction/labels_per_class need a datamodule with train_targets() and "
                 f"select_train(indices) (every in-memory datamodule of moco_lightning); {type(dm).__name__} has not"
             )
-        targets = dm.train_targets()
+        targets = torch.as_tensor(dm.train_targets()).long()
+        classes = getattr(dm, "num_classes", None) or (self.head.out_features if self.head is not None else None)
+        present = set(torch.unique(targets[targets >= 0]).tolist())
+        missing = sorted(set(range(classes)) - present) if classes else []
+        if missing:
+            raise ConfigError(
+                f"LinearClassifier: the training split holds {len(present)} of the {classes} classes (none of "
+                f"{missing[:10]}{', ...' if len(missing) > 10 else ''}): the classifier could never predict those; "
+                "train on a split with every class (a larger data.train_subset, or none)"
+            )
         self.labelled_indices = balanced_subset(targets, hp.label_fraction, hp.labels_per_class, hp.label_seed)
         dm.select_train(self.labelled_indices)
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None  # no logger: checkpoints only
@@ -287,11 +315,27 @@ class LinearClassifier(LightningModule):
                 f.write("\n".join(str(i) for i in self.labelled_indices.tolist()) + "\n")
 
     def on_train_start(self) -> None:
-        load_pending_loader_states(self.trainer)  # a resumed epoch continues at its next batch
+        _lightning.load_pending_loader_states(self.trainer)  # a resumed epoch continues at its next batch
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.labelled_indices is not None:
             checkpoint["labelled_indices"] = self.labelled_indices.clone()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        _lightning.reopen_cut_epoch(checkpoint)  # a run stopped by max_steps mid-epoch continues that epoch
+
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> "LinearClassifier":
+        """The classifier of a checkpoint, read with ``weights_only=True``; ``kwargs`` replace saved arguments
+        (``weights_only`` is ignored, as in :meth:`moco_lightning.Pretraining.load_from_checkpoint`)."""
+        return ckpt.load_module(cls, checkpoint_path, map_location, strict, **kwargs)
 
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --
     def train(self, mode: bool = True) -> "LinearClassifier":
@@ -339,7 +383,8 @@ class LinearClassifier(LightningModule):
         hp = self.hparams
         groups = [{"params": list(self.head.parameters()), "lr": hp.lr}]
         if self.finetune:
-            groups.append({"params": list(self.backbone.parameters()), "lr": hp.backbone_lr or hp.lr})
+            backbone_lr = hp.lr if hp.from_scratch else hp.backbone_lr or hp.lr
+            groups.append({"params": list(self.backbone.parameters()), "lr": backbone_lr})
         optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         if hp.schedule == "cosine":
             total = self.trainer.estimated_stepping_batches

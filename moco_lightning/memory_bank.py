@@ -10,19 +10,47 @@ batches, not this; and it is not saved in checkpoints. This bank is a persistent
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+
+from .errors import ConfigError
+from .negatives import Negatives
 
 
-class MemoryBank(nn.Module):
-    """``size`` L2-normalised features of size ``dim``, one per training image, indexed by the image's index."""
+class MemoryBank(Negatives):
+    """``size`` L2-normalised features of size ``dim``, one per training image, indexed by the image's index.
 
-    def __init__(self, size: int, dim: int) -> None:
+    As a dictionary: the positive of an image is its stored feature (:meth:`positives`), ``num_negatives`` stored
+    features drawn at random are the negatives of a step, and after the step each image's row moves towards its
+    query with ``momentum`` (the queries of all ranks, by image index)."""
+
+    def __init__(self, size: int, dim: int, num_negatives: int = 4096, momentum: float = 0.5) -> None:
         super().__init__()
-        self.size = size
+        self.size, self.num_negatives, self.momentum = size, num_negatives, momentum
         self.register_buffer("features", F.normalize(torch.randn(size, dim), dim=1))
         self._checked = False
+
+    def negatives(self) -> Tensor:
+        return self.sample(self.num_negatives)
+
+    def to_store(self, queries: list[Tensor], keys: list[Tensor], index: Optional[Tensor]) -> tuple[Tensor, ...]:
+        """One row per image: its query (with both views as queries, their mean), and the image's index."""
+        return torch.stack(queries).mean(0).detach(), self.require_index(index)
+
+    def store(self, queries: Tensor, index: Tensor, step: int) -> None:  # type: ignore[override]
+        self.update(index, queries, self.momentum)
+
+    @staticmethod
+    def require_index(index: Optional[Tensor]) -> Tensor:
+        if index is None:
+            raise ConfigError(
+                "MemoryBankMoCo needs each image's index: batches (views, targets, index), as moco-lightning's "
+                "datamodules give them"
+            )
+        return index
 
     def positives(self, index: Tensor) -> Tensor:
         """The stored features of the batch's images (their positive keys), without gradient.
@@ -30,6 +58,7 @@ class MemoryBank(nn.Module):
         The index range is checked on the first call (a clear error instead of a device-side assert on a GPU) and
         then on the CPU only: on an accelerator a check every step would stall it, and ``MemoryBankMoCo`` also checks
         ``memory_bank_size`` against a sized training set once, at fit start."""
+        self.require_index(index)
         if index.numel() and (index.device.type == "cpu" or not self._checked):
             self._checked = True
             bad = int(index.max()) if int(index.max()) >= self.size else int(index.min())

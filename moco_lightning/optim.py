@@ -67,51 +67,6 @@ def lr_factor(schedule: str, warmup: int, total: float, milestones: Sequence[int
     return factor
 
 
-class StepPlan:
-    """The optimizer steps a run's lr and momentum schedules are planned over, kept continuous when a resumed run is
-    given another length.
-
-    A run planned over ``planned`` steps and resumed at step ``s`` with ``--trainer.max_steps`` / ``max_epochs``
-    changed (so the run now ends at ``total``) would restart a cosine computed for the new length: a jump of the lr.
-    Instead the rest of the planned schedule is stretched (or shrunk) over the steps that are left, as
-    ``benchmarks/quality.py`` re-plans a run whose speed it measured: :meth:`position` maps a step to its place on
-    the planned schedule, piecewise linear through one knot per re-plan (continuous at ``s``, the planned end at
-    ``total``). Warm-up and milestones stay in the planned steps. Saved in the checkpoint, with the global batch the
-    lr was scaled for.
-    """
-
-    def __init__(self, planned: float, warmup: int, milestones: Sequence[int], global_batch: int) -> None:
-        self.planned, self.total, self.warmup, self.milestones = planned, planned, warmup, list(milestones)
-        self.global_batch = global_batch
-        self.knots: list[tuple[int, float]] = [(0, 0.0)]  # (step, position on the planned schedule)
-
-    def position(self, step: int) -> float:
-        if not math.isfinite(self.planned):
-            return float(step)
-        last_step, last_pos = self.knots[-1]
-        if step >= last_step:
-            span = self.total - last_step
-            return last_pos + (step - last_step) * ((self.planned - last_pos) / span if span > 0 else 1.0)
-        for (s0, p0), (s1, p1) in zip(self.knots, self.knots[1:]):
-            if s0 <= step < s1:
-                return p0 + (step - s0) * (p1 - p0) / (s1 - s0)
-        return float(step)
-
-    def replan(self, step: int, total: float) -> None:
-        """From ``step`` on, what is left of the planned schedule spans the steps up to ``total``."""
-        self.knots.append((step, self.position(step)))
-        self.total = total
-
-    def state_dict(self) -> dict:
-        return dict(vars(self))
-
-    @classmethod
-    def from_state(cls, state: dict) -> "StepPlan":
-        plan = cls(state["planned"], state["warmup"], state["milestones"], state["global_batch"])
-        plan.total, plan.knots = state["total"], [tuple(k) for k in state["knots"]]
-        return plan
-
-
 def build_optimizer(
     name: str, modules: Iterable[nn.Module], lr: float, weight_decay: float, sgd_momentum: float, decay_norm_bias: bool
 ) -> Optimizer:

@@ -8,12 +8,16 @@ host-device synchronisation) and accepts any batch size, including batches large
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+
+from .negatives import Negatives
 
 
-class KeyQueue(nn.Module):
+class KeyQueue(Negatives):
     """K L2-normalised keys of size ``dim`` (rows of ``keys``), a write pointer, and each slot's write step.
 
     The initial keys are random unit vectors drawn from the global RNG, so a given seed gives the same
@@ -22,11 +26,24 @@ class KeyQueue(nn.Module):
 
     def __init__(self, size: int, dim: int) -> None:
         super().__init__()
+        if size < 1:
+            raise ValueError(f"KeyQueue: size={size}; a queue holds at least one key (no queue: InBatch)")
         self.size = size
         self.register_buffer("keys", F.normalize(torch.randn(size, dim), dim=1))
         self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
         # global step at which each slot was last written; -1 for the initial random keys
         self.register_buffer("enqueued_at", torch.full((size,), -1, dtype=torch.long))
+
+    def negatives(self) -> Tensor:
+        """The K queued keys (the product uses them as they are before this step's enqueue)."""
+        return self.keys
+
+    def to_store(self, queries: list[Tensor], keys: list[Tensor], index: Optional[Tensor]) -> tuple[Tensor, ...]:
+        """The step's keys (of every global view), detached."""
+        return (torch.cat(keys).detach(),)
+
+    def store(self, keys: Tensor, step: int) -> None:  # type: ignore[override]
+        self.enqueue(keys, step)
 
     @torch.no_grad()
     def enqueue(self, keys: Tensor, step: int = -1) -> None:
@@ -34,8 +51,6 @@ class KeyQueue(nn.Module):
 
         Equivalent to enqueuing the rows one by one: with B > K only the last K rows survive.
         """
-        if self.size == 0:
-            return
         n = keys.shape[0]
         if n > self.size:
             keys = keys[n - self.size :]

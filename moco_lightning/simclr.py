@@ -11,7 +11,7 @@ in memory, which is why SimCLR needs large batches (4096 in the paper) and MoCo'
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from lightly.models.modules.heads import SimCLRProjectionHead
@@ -28,15 +28,26 @@ class SimCLR(Pretraining):
     Args:
         hidden_dim, dim: the 2-layer projection head (lightly's ``SimCLRProjectionHead``: fc-BN-ReLU-fc).
         temperature: τ of NT-Xent (the paper: 0.1 to 0.5, tuned per batch size; 0.5 for CIFAR-10).
+        optimizer, lr, weight_decay, warmup_epochs: the paper's (§B.1): LARS, lr 0.3 per 256 images (4.8 at batch
+            4096), weight decay 1e-6, 10 warm-up epochs, then cosine.
         **kwargs: the backbone, optimizer and schedule of :class:`~moco_lightning.base.Pretraining`.
     """
 
     STRUCTURAL = Pretraining.STRUCTURAL + ("hidden_dim", "dim")
 
-    def __init__(self, hidden_dim: int = 2048, dim: int = 128, temperature: float = 0.5, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        hidden_dim: int = 2048,
+        dim: int = 128,
+        temperature: float = 0.5,
+        optimizer: Literal["sgd", "lars", "adamw"] = "lars",
+        lr: float = 0.3,
+        weight_decay: float = 1e-6,
+        warmup_epochs: float = 10.0,
+        **kwargs: Any,
+    ) -> None:
         check_arguments(type(self).__name__, SimCLR.__init__, locals())
-        super().__init__(**kwargs)
-        self.record_hyperparameters(locals())
+        super().__init__(optimizer=optimizer, lr=lr, weight_decay=weight_decay, warmup_epochs=warmup_epochs, **kwargs)
         self.projection_head = SimCLRProjectionHead(self.feature_dim, hidden_dim, dim)
         self.temperature = temperature
 

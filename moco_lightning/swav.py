@@ -13,7 +13,7 @@ embeddings (the paper adds it from epoch ~15 for batches below 256).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from lightly.loss import SwaVLoss
@@ -35,6 +35,8 @@ class SwAV(Pretraining):
         temperature: T of the swapped prediction's softmax.
         sinkhorn_iterations, sinkhorn_epsilon: of the Sinkhorn–Knopp codes.
         freeze_prototypes_epochs: the prototypes get no update for this many epochs (the paper: 1).
+        optimizer, lr, weight_decay, warmup_epochs: the official code's recipe for batch 256: LARS, lr 0.6, weight
+            decay 1e-6, no warm-up, then cosine (its batch-4096 recipe: lr 4.8 with 10 warm-up epochs).
         **kwargs: the backbone, optimizer and schedule of :class:`~moco_lightning.base.Pretraining`.
     """
 
@@ -49,11 +51,14 @@ class SwAV(Pretraining):
         sinkhorn_iterations: int = 3,
         sinkhorn_epsilon: float = 0.05,
         freeze_prototypes_epochs: float = 1.0,
+        optimizer: Literal["sgd", "lars", "adamw"] = "lars",
+        lr: float = 0.6,
+        weight_decay: float = 1e-6,
+        warmup_epochs: float = 0.0,
         **kwargs: Any,
     ) -> None:
         check_arguments(type(self).__name__, SwAV.__init__, locals())
-        super().__init__(**kwargs)
-        self.record_hyperparameters(locals())
+        super().__init__(optimizer=optimizer, lr=lr, weight_decay=weight_decay, warmup_epochs=warmup_epochs, **kwargs)
         self.projection_head = SwaVProjectionHead(self.feature_dim, hidden_dim, dim)
         self.prototypes = Prototypes(dim, n_prototypes)
         self.criterion = SwaVLoss(

@@ -10,67 +10,67 @@ cosine from ``momentum`` to 1; LARS (ResNets) or AdamW (ViTs); for ViTs the patc
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from torch import Tensor, nn
 
 from .backbones import zero_init_residuals
+from .contrastive import MomentumContrast
 from .errors import ConfigError
 from .heads import is_vit, v3_heads
-from .moco import MoCo
+from .negatives import InBatch, Negatives
 
 
-class MoCoV3(MoCo):
-    """MoCo v3. Defaults: the paper's ResNet-50 recipe (LARS lr 0.6 per 256, wd 1e-6, 10 warm-up epochs, T 1.0).
+class MoCoV3(MomentumContrast):
+    """MoCo v3. Defaults: the paper's ResNet-50 recipe (LARS lr 0.6 per 256, wd 1e-6, 10 warm-up epochs, T 1.0,
+    momentum 0.99 → 1 on a cosine, heads 4096-256).
 
     Args:
-        hidden_dim: hidden size of the projector and the predictor (4096).
-        dim: output size (256).
         vit: the official ViT heads (3-layer projector, predictor with the last BN) or the ResNet ones (2-layer
             projector, predictor without it); None: chosen from the backbone.
         freeze_patch_embed: keep a ViT's patch embedding fixed (``conv_proj``, torchvision's and ours).
         zero_init_residual: the last BatchNorm of every residual block starts at 0 (each block starts as the
             identity), as the official code builds its ResNets (``zero_init_residual=True``); torchvision ResNet
             backbones given by name only.
-        **kwargs: :class:`MoCo`'s and the backbone/optimizer arguments (no queue, no head choice: these are v3's).
+        **kwargs: the key encoder's and :class:`~moco_lightning.contrastive.Contrastive`'s arguments and the
+            backbone/optimizer ones (v3 has no queue and no head choice: the loss is always symmetric, the heads
+            v3's); the defaults below are v3's.
     """
 
-    STRUCTURAL = MoCo.STRUCTURAL + ("vit",)
+    STRUCTURAL = MomentumContrast.STRUCTURAL + ("vit",)
+    symmetric = True  # v3's loss is L(q₁, k₂) + L(q₂, k₁)
 
     def __init__(
         self,
+        vit: Optional[bool] = None,
+        freeze_patch_embed: bool = False,
+        zero_init_residual: bool = True,
         hidden_dim: int = 4096,
         dim: int = 256,
         temperature: float = 1.0,
         momentum: float = 0.99,
         momentum_schedule: Literal["constant", "cosine"] = "cosine",
-        vit: Optional[bool] = None,
-        freeze_patch_embed: bool = False,
+        shuffle_bn: Literal["auto", "ddp", "split", "off"] = "off",
         optimizer: Literal["sgd", "lars", "adamw"] = "lars",
         lr: float = 0.6,
         weight_decay: float = 1e-6,
         warmup_epochs: float = 10.0,
-        shuffle_bn: Literal["auto", "ddp", "split", "off"] = "off",
-        zero_init_residual: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            head="mlp",
             hidden_dim=hidden_dim,
             dim=dim,
-            queue_size=0,
             temperature=temperature,
             momentum=momentum,
             momentum_schedule=momentum_schedule,
-            symmetric=True,
+            shuffle_bn=shuffle_bn,
             optimizer=optimizer,
             lr=lr,
             weight_decay=weight_decay,
             warmup_epochs=warmup_epochs,
-            shuffle_bn=shuffle_bn,
             **kwargs,
         )
-        self.record_hyperparameters(locals())
+        self.in_batch = InBatch()
         if freeze_patch_embed:
             proj = getattr(self.backbone, "conv_proj", None)
             if not isinstance(proj, nn.Conv2d):
@@ -80,13 +80,17 @@ class MoCoV3(MoCo):
                 )
             proj.requires_grad_(False)
         if zero_init_residual and isinstance(self.hparams.get("backbone"), str) and zero_init_residuals(self.backbone):
-            self.key_backbone.load_state_dict(self.backbone.state_dict())  # f_k starts as a copy of f_q
+            self.key_encoder.reset(self)  # f_k starts as a copy of f_q
 
     def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
-        vit: Union[bool, None] = self.hparams.vit
+        vit: Optional[bool] = self.hparams.vit
         return v3_heads(
             self.feature_dim, self.hparams.hidden_dim, self.hparams.dim, is_vit(self.backbone) if vit is None else vit
         )
+
+    @property
+    def dictionary(self) -> Negatives:
+        return self.in_batch
 
     def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
         """The official builder's order: q₁, q₂, then k₁, k₂ (the key encoder's BatchNorm sees x₁ first);

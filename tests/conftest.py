@@ -50,8 +50,8 @@ def tiny_moco(cls=None, **kwargs):
         shuffle_bn="off",
     )
     if cls.__name__ in ("EndToEnd", "MemoryBankMoCo"):  # no queue, no key encoder: their own arguments
-        args.pop("queue_size")
-        args.pop("momentum")
+        for name in ("queue_size", "momentum", "shuffle_bn"):
+            args.pop(name)
     if cls.__name__ == "MoCoV3":  # v3's own heads, no queue
         args.pop("head")
         args.pop("queue_size")

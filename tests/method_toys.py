@@ -5,7 +5,9 @@ from conftest import tiny_backbone
 
 def tiny(cls, **kwargs):
     args = dict(backbone=tiny_backbone(), in_channels=1, image_size=28, hidden_dim=32, dim=8, lr=0.06)
-    args["lr_schedule"] = "constant"
+    # the mechanics under test with plain SGD at a constant lr (the classes' own defaults are the papers' LARS recipes
+    # with warm-up: test_matrix checks those)
+    args.update(lr_schedule="constant", optimizer="sgd", warmup_epochs=0.0, weight_decay=1e-4)
     if cls.__name__ == "SwAV":
         args.update(n_prototypes=10, freeze_prototypes_epochs=0.0)
     args.update(kwargs)

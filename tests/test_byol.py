@@ -71,7 +71,7 @@ def test_a_step_checkpoint_holds_that_steps_momentum_update(seeded, tmp_path):
     model = tiny(BYOL)
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
     cpu_trainer(max_steps=2, callbacks=[saves], enable_checkpointing=True).fit(model, tiny_data())
-    saved = torch.load(next(tmp_path.glob("*step=2*.ckpt")), weights_only=False)["state_dict"]
+    saved = torch.load(next(tmp_path.glob("*step=2*.ckpt")), weights_only=True)["state_dict"]
     for name, value in model.state_dict().items():
         if name.startswith("target_"):
             assert torch.equal(saved[name], value), name

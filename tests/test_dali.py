@@ -158,11 +158,11 @@ def test_a_resumed_epoch_replays_the_pipeline_and_yields_the_remaining_batches_w
     d = dm(folder(tmp_path))
     loader = d.train_dataloader()
     whole = list(loader)
-    assert loader.state_dict() == {"epoch": 0, "batches": 4, "batch_size": 4}
+    assert loader.state_dict() == {"epoch": 0, "batches": 4, "batch_size": 4, "samples": 16}
     resumed = d.train_dataloader()
     resumed.load_state_dict({"epoch": 0, "batches": 3})
     rest = list(resumed)
-    assert len(rest) == 1 and resumed.state_dict() == {"epoch": 0, "batches": 4, "batch_size": 4}
+    assert len(rest) == 1 and resumed.state_dict() == {"epoch": 0, "batches": 4, "batch_size": 4, "samples": 16}
     assert torch.equal(rest[0][2], whole[3][2]) and torch.equal(rest[0][0][0], whole[3][0][0])
     other = d.train_dataloader()
     other.set_epoch(1)

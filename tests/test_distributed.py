@@ -120,7 +120,7 @@ def test_ddp_queue_identical_on_ranks_and_equal_to_one_process(tmp_path):
         use_distributed_sampler=False,
     ).fit(model(), GlobalBatches(B))
     single, r0, r1 = (
-        torch.load(tmp_path / f, weights_only=False) for f in ("rank0-of1.pt", "rank0-of2.pt", "rank1-of2.pt")
+        torch.load(tmp_path / f, weights_only=True) for f in ("rank0-of1.pt", "rank0-of2.pt", "rank1-of2.pt")
     )
     # bit-identical dictionary on both ranks, 3 steps x 8 keys into K=20: wrapped around to slot 4
     assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == r1["ptr"] == single["ptr"] == (STEPS * 2 * B) % 20
@@ -207,7 +207,7 @@ def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
     ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
     callbacks = [Record(str(tmp_path)), KeyEncoderInputs(str(tmp_path))]
     cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0).fit(model, tiny_data())
-    r0, r1 = (torch.load(tmp_path / f"rank{r}-of2.pt", weights_only=False) for r in (0, 1))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}-of2.pt", weights_only=True) for r in (0, 1))
     assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == 2 * 2 * 16 % 48
     for name, value in r0["key_backbone"].items():  # the same key encoder weights on both ranks
         if not name.endswith(("running_mean", "running_var", "num_batches_tracked")):

@@ -110,10 +110,10 @@ def test_training_loader_resumes_mid_epoch_from_its_state():
     loader = dm.train_dataloader()
     loader.sampler.set_epoch(1)
     whole = [b[2] for b in loader]
-    assert loader.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 16}
+    assert loader.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 16, "samples": 64}
     it = iter(loader)
     next(it)
-    assert loader.state_dict() == {"epoch": 1, "batches": 1, "batch_size": 16}
+    assert loader.state_dict() == {"epoch": 1, "batches": 1, "batch_size": 16, "samples": 64}
     fresh = dm.train_dataloader()
     fresh.sampler.set_epoch(1)
     fresh.load_state_dict({"epoch": 1, "batches": 3})
@@ -123,12 +123,12 @@ def test_training_loader_resumes_mid_epoch_from_its_state():
     assert (
         len(rest) == 1
         and torch.equal(rest[0], whole[3])
-        and fresh.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 16}
+        and fresh.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 16, "samples": 64}
     )
     assert [b[2].tolist() for b in fresh] == [b.tolist() for b in whole]  # the next pass is a whole epoch again
     other = dm.train_dataloader()
     other.sampler.set_epoch(2)
     other.load_state_dict(
-        {"epoch": 1, "batches": 4, "batch_size": 16}
+        {"epoch": 1, "batches": 4, "batch_size": 16, "samples": 64}
     )  # saved at the end of epoch 1: epoch 2 starts at its start
     assert len(list(other)) == 4

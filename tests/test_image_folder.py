@@ -411,7 +411,11 @@ def test_worker_loader_resumes_mid_epoch_with_the_same_views(tmp_path):
     resumed.sampler.set_epoch(1)
     resumed.load_state_dict({"epoch": 1, "batches": 2})
     rest = list(resumed)
-    assert len(whole) == 4 and len(rest) == 2 and resumed.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 4}
+    assert (
+        len(whole) == 4
+        and len(rest) == 2
+        and resumed.state_dict() == {"epoch": 1, "batches": 4, "batch_size": 4, "samples": 16}
+    )
     for a, b in zip(whole[2:], rest):
         assert torch.equal(a[2], b[2]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
     assert len(list(resumed)) == 4  # the persistent workers' next epoch starts at its first batch

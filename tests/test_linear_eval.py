@@ -321,7 +321,7 @@ def test_label_fraction_trains_on_the_seeded_subset_and_saves_its_indices(seeded
     written = (Path(t.log_dir) / "labelled_indices.txt").read_text().split()
     assert [int(i) for i in written] == expected.tolist()
     t.save_checkpoint(tmp_path / "probe.ckpt")
-    assert torch.equal(torch.load(tmp_path / "probe.ckpt", weights_only=False)["labelled_indices"], expected)
+    assert torch.equal(torch.load(tmp_path / "probe.ckpt", weights_only=True)["labelled_indices"], expected)
 
 
 def frozen_backbone_2d() -> nn.Module:
@@ -412,6 +412,6 @@ def test_a_torn_empty_or_text_checkpoint_is_one_error_naming_the_file(tmp_path, 
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(content)
     with pytest.raises(
-        ConfigError, match=rf"^{re.escape(str(bad))}: not a readable checkpoint or export \({len(content)}"
+        ConfigError, match=rf"^model.ckpt_path {re.escape(str(bad))}: not a readable checkpoint \({len(content)} bytes"
     ):
         LinearClassifier(ckpt_path=str(bad), num_classes=10)

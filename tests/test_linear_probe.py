@@ -59,7 +59,7 @@ def test_probe_state_survives_checkpoint_and_resume(seeded, tmp_path):
     t.fit(net, datamodule=data)
     path = tmp_path / "run.ckpt"
     t.save_checkpoint(path)
-    saved = torch.load(path, weights_only=False)["callbacks"]["LinearProbe"]
+    saved = torch.load(path, weights_only=True)["callbacks"]["LinearProbe"]
     assert torch.equal(saved["classifier"]["weight"], probe.classifier.weight)
     assert saved["optimizer"]["state"]  # the momentum buffers are saved too
 

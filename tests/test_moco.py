@@ -11,6 +11,7 @@ from torch import nn
 
 from moco_lightning import EndToEnd, MemoryBankMoCo, MoCo, MoCoV3
 from moco_lightning.errors import ConfigError
+from moco_lightning.negatives import InBatch
 
 from conftest import cpu_trainer, tiny_data, tiny_moco
 
@@ -95,13 +96,13 @@ class CountUpdates(Callback):
         self.updates, self.batches = 0, 0
 
     def on_train_start(self, trainer, pl_module):
-        original = pl_module.momentum_update
+        original = pl_module.key_encoder.update  # the one momentum piece (MomentumCopy)
 
-        def counted(m):
+        def counted(owner, m):
             self.updates += 1
-            original(m)
+            original(owner, m)
 
-        pl_module.momentum_update = counted
+        pl_module.key_encoder.update = counted
 
     def on_train_batch_end(self, *args):
         self.batches += 1
@@ -224,7 +225,7 @@ def test_symmetric_loss_and_both_keys_enqueued(seeded):
     _, q2 = model.query(x2)
     expected = info_nce(q1, model.key(x2), queue, 0.2)[0] + info_nce(q2, model.key(x1), queue, 0.2)[0]
     assert torch.allclose(out["loss"], expected, atol=1e-6)
-    assert out["keys"].shape == (16, 8)
+    assert out["stored"][0].shape == (16, 8)
     model2 = tiny_moco(symmetric=True)
     cpu_trainer(limit_val_batches=0, max_steps=1).fit(model2, tiny_data())
     assert model2.queue.ptr.item() == 32 % 32 and (model2.queue.enqueued_at == 1).sum() == 32
@@ -233,7 +234,8 @@ def test_symmetric_loss_and_both_keys_enqueued(seeded):
 def test_queue_size_zero_uses_in_batch_negatives(seeded):
     model = tiny_moco(queue_size=0)
     cpu_trainer(limit_val_batches=0, max_steps=2).fit(model, tiny_data())
-    assert model.queue.keys.numel() == 0
+    assert isinstance(model.queue, InBatch)  # no queue: nothing stored, no buffer
+    assert not any(k.startswith("queue.") for k in model.state_dict()) and model.dictionary_buffers() == []
     out = model.contrast(torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28))
     assert out["sims"].shape == (8, 8) and out["labels"].tolist() == list(range(8))
 
@@ -280,7 +282,7 @@ def test_checkpoint_round_trip_is_bit_exact(seeded, tmp_path):
     assert loaded.queue.ptr.item() == 32 % 32 and torch.equal(loaded.queue.enqueued_at, model.queue.enqueued_at)
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):
         assert torch.equal(a, b)
-    assert torch.load(path, weights_only=False)["global_step"] == 2  # the momentum schedule's clock
+    assert torch.load(path, weights_only=True)["global_step"] == 2  # the momentum schedule's clock
 
 
 def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path):
@@ -371,7 +373,7 @@ def test_symmetric_v2_enqueues_k1_then_k2_as_the_official_cifar_demo(seeded):
     model = tiny_moco(symmetric=True)
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
     out = model.contrast(x1, x2)
-    torch.testing.assert_close(out["keys"], torch.cat([model.key(x1), model.key(x2)]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["stored"][0], torch.cat([model.key(x1), model.key(x2)]), rtol=0, atol=1e-6)
 
 
 def test_v3_resnets_start_with_zero_initialised_residual_branches():
@@ -392,7 +394,7 @@ def test_v3_resnets_start_with_zero_initialised_residual_branches():
 
 def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(seeded):
     model = tiny_moco(EndToEnd)
-    assert model.key_backbone is None and model.key_projection_head is None
+    assert not hasattr(model, "key_backbone") and not hasattr(model, "key_projection_head")
     assert not any(k.startswith("key_") for k in model.state_dict())
     x1, x2 = torch.randn(8, 1, 28, 28, requires_grad=True), torch.randn(8, 1, 28, 28, requires_grad=True)
     model.contrast(x1, x2)["loss"].backward()
@@ -401,13 +403,13 @@ def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(se
 
 def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
     model = tiny_moco(MemoryBankMoCo, memory_bank_size=20, num_negatives=12, bank_momentum=0.3)
-    assert model.key_backbone is None
+    assert not hasattr(model, "key_backbone")
     before = model.memory_bank.features.clone()
     index = torch.tensor([3, 17, 9, 0])
     out = model.contrast(torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28), index)
     assert out["sims"].shape == (4, 13)  # the stored positive + 12 sampled negatives
     torch.testing.assert_close(out["sims"][:, 0], (out["q"] * before[index]).sum(1))
-    model._keys, model._index = out["keys"], index
+    model._stored = out["stored"]
     model.finish_step()
     expected = before.clone()
     expected[index] = F.normalize(0.3 * before[index] + 0.7 * out["q"], dim=1)  # m != 1 - m: a swap fails
@@ -447,7 +449,7 @@ def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded
     x1, x2 = torch.randn(3, 1, 28, 28), torch.randn(3, 1, 28, 28)
     out = model.contrast(x1, x2, index)
     q1, q2 = out["q"], model.query(x2)[1].detach()
-    model._keys, model._index = out["keys"], index
+    model._stored = out["stored"]
     model.finish_step()
     expected = before.clone()
     expected[index] = F.normalize(0.3 * before[index] + 0.7 * (q1 + q2) / 2, dim=1)
@@ -797,5 +799,5 @@ def test_a_resumed_run_with_another_batch_rescales_the_lr_and_says_so(tmp_path):
     planned, resumed, messages = _planned_then_resumed(tmp_path, 8, batch_then=32)
     assert resumed.lrs[4] == pytest.approx(2 * planned.lrs[4])
     assert any("global batch is 32, the checkpoint's run used 16" in m and "rescaled by 2" in m for m in messages)
-    with pytest.raises(ConfigError, match=r"mid-epoch .*batch_size 16.*batch_size 32"):
+    with pytest.raises(ConfigError, match=r"mid-epoch .*batch_size 16 then, 32 now"):
         _planned_then_resumed(tmp_path / "mid", 8, batch_then=32, resume_at=2)

@@ -65,7 +65,6 @@ def test_queue_is_persistent_state():
     assert set(queue.state_dict()) == {"keys", "ptr", "enqueued_at"}
 
 
-def test_empty_queue_is_a_no_op():
-    queue = KeyQueue(0, 4)
-    queue.enqueue(torch.randn(3, 4))
-    assert queue.keys.shape == (0, 4) and queue.ptr.item() == 0
+def test_a_queue_holds_at_least_one_key():
+    with pytest.raises(ValueError, match="at least one key"):
+        KeyQueue(0, 4)

@@ -1,0 +1,140 @@
+"""Every access of this library to Lightning's (and DDP's) internals, in one place.
+
+Checked against lightning 2.6.1 to 2.6.6 (``tests/test_lightning_internals.py`` fails when one of these is gone).
+Each function says what it needs and why no public API does it; nothing else in the library touches a private
+attribute of Lightning.
+
+- ``fit_loop._combined_loader_states_to_load`` / ``_load_combined_loader_states()``: hand a resumed run's training
+  loaders their mid-epoch position (Lightning skips it when the data was set up before the restore).
+- ``fit_loop.setup_data()``: load the training loader early, to scale the lr by its batch size.
+- ``fit_loop.epoch_loop.batch_progress``: where a resumed run is inside its epoch.
+- the checkpoint's ``loops`` entry: re-open an epoch that a ``max_steps`` stop cut short (below).
+- ``hparams_mixin._given_hyperparameters``: the arguments LightningCLI hands a module it builds.
+- ``strategy._layer_sync``: whether ``sync_batchnorm`` is on.
+- ``module._ddp_params_and_buffers_to_ignore``: buffers DDP must not re-broadcast from rank 0 on every forward
+  (torch's ``DistributedDataParallel`` reads it when it wraps the module).
+- ``core.saving._load_state``: build a module from a checkpoint already read (``load_from_checkpoint`` minus
+  its own ``torch.load``).
+- ``LightningCLI._parse_ckpt_path`` (replaced: it builds a ``--ckpt_path`` run's model from the checkpoint's
+  hyper-parameters, read without our checks) and ``LightningCLI._subcommand_parsers``: :class:`CLIHooks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from torch import nn
+
+
+def load_pending_loader_states(trainer: Any) -> None:
+    """Hands the training loaders the states Lightning read from the checkpoint (their mid-epoch position), if it
+    has not: call at ``on_train_start``.
+
+    Lightning loads them while it sets up the training data at the start of ``fit``, but only if that set-up has not
+    happened yet; ``configure_optimizers`` asking for ``trainer.estimated_stepping_batches`` (the schedules here)
+    sets up the data earlier, before the checkpoint is restored, and the states are then never loaded: the resumed
+    epoch restarted from its first batch (lightning 2.6). The loader's iterator is made lazily (a generator), so at
+    ``on_train_start`` it has not drawn a batch yet."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if fit_loop is not None and getattr(fit_loop, "_combined_loader_states_to_load", None):
+        fit_loop._load_combined_loader_states()
+
+
+def ensure_train_dataloader(trainer: Any) -> Any:
+    """The training loader, loaded now if it is not yet (``max_steps`` alone does not load it before
+    ``configure_optimizers``)."""
+    if trainer.train_dataloader is None:
+        trainer.fit_loop.setup_data()
+    return trainer.train_dataloader
+
+
+def batches_done_in_epoch(trainer: Any) -> int:
+    """Training batches already taken in the current epoch (non-zero in an epoch resumed mid-way)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def reopen_cut_epoch(checkpoint: dict) -> bool:
+    """Makes a checkpoint written when ``max_steps`` stopped a run mid-epoch resume *inside* that epoch.
+
+    Lightning counts such an epoch as completed (``epoch_progress``), so a run extended with a larger ``max_steps``
+    and ``ckpt_path`` started the next epoch and silently skipped the rest of the cut one, while the training loader
+    (its saved position: epoch e, b batches) would have continued it. The epoch's batch progress says it was cut
+    (``is_last_batch`` false after some batches): its epoch is counted as started, not finished, as in a checkpoint
+    written mid-epoch by ``every_n_train_steps``. Returns whether it changed anything."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not fit:
+        return False
+    batches, epochs = fit.get("epoch_loop.batch_progress"), fit.get("epoch_progress")
+    if not batches or not epochs or batches.get("is_last_batch", True) or not batches["current"]["ready"]:
+        return False
+    current = epochs["current"]
+    if current["completed"] < 1 or current["completed"] != current["ready"]:
+        return False  # already mid-epoch (a step checkpoint), or nothing finished
+    for counts in (epochs["current"], epochs["total"]):
+        counts["processed"] -= 1
+        counts["completed"] -= 1
+    checkpoint["epoch"] = current["completed"]
+    return True
+
+
+def given_hyperparameters() -> dict:
+    """The arguments LightningCLI hands the module it is building (``{}`` outside the CLI)."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+    return _given_hyperparameters.get() or {}
+
+
+@contextlib.contextmanager
+def own_hyperparameters() -> Iterator[None]:
+    """Lets a LightningModule built inside another one record its own hyper-parameters.
+
+    While LightningCLI instantiates a module it hands that module's arguments to every ``save_hyperparameters()``
+    call through a context variable, so a pretraining module rebuilt inside ``LinearClassifier.__init__`` would record
+    the classifier's arguments instead of its own. Cleared here for the nested construction."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+    token = _given_hyperparameters.set(None)
+    try:
+        yield
+    finally:
+        _given_hyperparameters.reset(token)
+
+
+def uses_sync_batchnorm(trainer: Any) -> bool:
+    """``Trainer(sync_batchnorm=True)``: Lightning keeps it as the strategy's layer sync."""
+    return getattr(trainer.strategy, "_layer_sync", None) is not None
+
+
+def keep_out_of_ddp_broadcast(module: nn.Module, names: list[str]) -> None:
+    """Buffers (state-dict names) that every rank updates alike: DDP then does not broadcast them from rank 0 on
+    every forward (32 MiB per step for a queue of 65536 x 128). Set before DDP wraps the module (``setup``)."""
+    module._ddp_params_and_buffers_to_ignore = list(names)
+
+
+def ddp_ignored(module: nn.Module) -> list[str]:
+    return list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+
+
+def module_from_checkpoint(cls: type, checkpoint: dict, strict: Optional[bool], **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint`` of a checkpoint already read: the hyper-parameters (updated by ``kwargs``) build
+    the module (Lightning's allowlisted CLI instantiator when the CLI wrote it), ``on_load_checkpoint`` runs, the
+    weights are loaded."""
+    from lightning.pytorch.core.saving import _load_state
+
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    return _load_state(cls, checkpoint, strict=strict, **kwargs)
+
+
+class CLIHooks:
+    """What the library's LightningCLI needs of LightningCLI's internals (mixed in before LightningCLI)."""
+
+    def _parse_ckpt_path(self) -> None:
+        self.model_from_checkpoint()
+
+    def model_from_checkpoint(self) -> None:
+        """Sets the model's config of a ``--ckpt_path`` run from the checkpoint (the subclass says how)."""
+
+    def subcommand_parser(self, subcommand: str) -> Any:
+        return self._subcommand_parsers[subcommand]

@@ -1,0 +1,65 @@
+"""The guard against non-finite losses: decided by all ranks together, read one step late.
+
+A per-rank check stops one rank, and the others wait in the next collective until a timeout; reading the flag at
+once would stall the GPU once per step. So a "not finite" flag is all-reduced (max), copied to the host
+asynchronously, and read at the start of the next step, before a checkpoint is saved, or at the end of training:
+every rank stops at the same step, before a checkpoint holds the bad weights. ``on_nan="skip"`` (one process only)
+skips the batch with a warning instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .distributed import world_size
+
+
+class NanGuard:
+    """``on_nan``: ``"raise"`` or ``"skip"``; ``owner``: the module's name for the messages."""
+
+    def __init__(self, on_nan: str, owner: str) -> None:
+        self.on_nan, self.owner = on_nan, owner
+        self._pending: Optional[tuple] = None  # (flag, event, loss, where) of the last step
+
+    def usable(self, loss: Tensor, where: str, hints: Callable[[], str]) -> bool:
+        """False: skip this batch (``on_nan="skip"``). Otherwise the deferred, collective check (see the module)."""
+        self.raise_if_pending()
+        if self.on_nan == "skip":  # reading the loss synchronises with the device
+            if torch.isfinite(loss):
+                return True
+            warnings.warn(f"{self.owner}: loss is {loss.item()} {where}; batch skipped (on_nan='skip')", stacklevel=3)
+            return False
+        flag = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(1)
+        if world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        event = None
+        if flag.is_cuda:
+            host = torch.empty_like(flag, device="cpu").pin_memory()
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flag = host
+        self._pending = (flag, event, loss.detach(), where, hints)
+        return True
+
+    def raise_if_pending(self) -> None:
+        """Raises if the last checked loss (of any rank) was not finite."""
+        if self._pending is None:
+            return
+        flag, event, loss, where, hints = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        if int(flag):
+            whose = "loss" if not torch.isfinite(loss) else "this rank's loss"
+            raise FloatingPointError(
+                f"{self.owner}: {whose} is {loss.item()} {where}"
+                + (" (a non-finite loss on another rank)" if torch.isfinite(loss) else "")
+                + f". Likely causes: {hints()}. Every rank stopped; no checkpoint was written with the weights of that "
+                "step: resume from the last good checkpoint with a lower lr, or set on_nan='skip' (one process only)."
+            )

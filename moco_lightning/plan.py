@@ -1,0 +1,151 @@
+"""The optimizer and the plan of a run's schedules (lr, momentum) over its optimizer steps.
+
+- lr is given per 256 images and scaled by the global batch, per-device batch × devices × accumulation (He et al.
+  2020, §4: "lr 0.03 for batch 256"; Goyal et al. 2017's linear scaling rule).
+- :class:`StepPlan`: the steps the schedules are planned over, kept in the checkpoint; a resumed run given another
+  length stretches the rest of its schedules instead of restarting them, and another global batch rescales the lr.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from . import optim
+from ._lightning import batches_done_in_epoch, ensure_train_dataloader
+from .errors import ConfigError
+
+
+class StepPlan:
+    """The optimizer steps a run's lr and momentum schedules are planned over, kept continuous when a resumed run is
+    given another length.
+
+    A run planned over ``planned`` steps and resumed at step ``s`` with ``--trainer.max_steps`` / ``max_epochs``
+    changed (so the run now ends at ``total``) would restart a cosine computed for the new length: a jump of the lr.
+    Instead the rest of the planned schedule is stretched (or shrunk) over the steps that are left: :meth:`position`
+    maps a step to its place on the planned schedule, piecewise linear through one knot per re-plan (continuous at
+    ``s``, the planned end at ``total``). Warm-up and milestones stay in the planned steps. Saved in the checkpoint,
+    with the global batch the lr was scaled for.
+    """
+
+    def __init__(self, planned: float, warmup: int, milestones: Sequence[int], global_batch: int) -> None:
+        self.planned, self.total, self.warmup, self.milestones = planned, planned, warmup, list(milestones)
+        self.global_batch = global_batch
+        self.knots: list[tuple[int, float]] = [(0, 0.0)]  # (step, position on the planned schedule)
+
+    def position(self, step: int) -> float:
+        if not math.isfinite(self.planned):
+            return float(step)
+        last_step, last_pos = self.knots[-1]
+        if step >= last_step:
+            span = self.total - last_step
+            return last_pos + (step - last_step) * ((self.planned - last_pos) / span if span > 0 else 1.0)
+        for (s0, p0), (s1, p1) in zip(self.knots, self.knots[1:]):
+            if s0 <= step < s1:
+                return p0 + (step - s0) * (p1 - p0) / (s1 - s0)
+        return float(step)
+
+    def replan(self, step: int, total: float) -> None:
+        """From ``step`` on, what is left of the planned schedule spans the steps up to ``total``."""
+        self.knots.append((step, self.position(step)))
+        self.total = total
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict) -> "StepPlan":
+        plan = cls(state["planned"], state["warmup"], state["milestones"], state["global_batch"])
+        plan.total, plan.knots = state["total"], [tuple(k) for k in state["knots"]]
+        return plan
+
+
+def configure_optimizers(module: Any, saved_plan: dict | None) -> tuple[dict, StepPlan]:
+    """The optimizer of ``module.trained_modules()`` and its per-step lr schedule; a resumed run (``saved_plan``:
+    the checkpoint's) keeps the plan it was written with."""
+    hp, trainer = module.hparams, module.trainer
+    batch = global_batch_size(module)
+    optimizer = optim.build_optimizer(
+        hp.optimizer,
+        module.trained_modules(),
+        hp.lr * batch / 256,
+        hp.weight_decay,
+        hp.sgd_momentum,
+        hp.decay_norm_bias,
+    )
+    spe = steps_per_epoch(trainer)
+    if saved_plan:
+        plan = StepPlan.from_state(saved_plan)
+    else:
+        warmup, milestones = round(hp.warmup_epochs * spe), [m * spe for m in hp.lr_milestones]
+        plan = StepPlan(trainer.estimated_stepping_batches, warmup, milestones, batch)
+    factor = optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(plan.position(step)))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}, plan
+
+
+def continue_plan(module: Any, plan: StepPlan) -> None:
+    """On resume (``on_train_start``, everything restored): a run given another length stretches the rest of its
+    schedules; another global batch rescales the lr (given per 256 images). Each with a warning that says what
+    changed."""
+    trainer, step = module.trainer, module.global_step
+    total = steps_at_end(trainer, step)
+    if math.isfinite(plan.planned) and total != plan.total and step < total:
+        warnings.warn(
+            f"the resumed run ends at step {total}, not {plan.total} as planned: the rest of the lr and momentum "
+            f"schedules from step {step} is stretched over the {total - step} steps left (no restart, no jump)",
+            stacklevel=2,
+        )
+        plan.replan(step, total)
+    batch = global_batch_size(module)
+    if batch != plan.global_batch:
+        ratio = batch / plan.global_batch
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
+                if "initial_lr" in group:
+                    group["initial_lr"] *= ratio
+        warnings.warn(
+            f"the global batch is {batch}, the checkpoint's run used {plan.global_batch}: lr (given per 256 "
+            f"images) is rescaled by {ratio:g} to {module.hparams.lr * batch / 256:g} at the peak",
+            stacklevel=2,
+        )
+        plan.global_batch = batch
+
+
+def steps_at_end(trainer: Any, step: int) -> float:
+    """The global step at which this (resumed) run will stop: max_steps, or the end of max_epochs from the
+    position restored in the current epoch, whichever comes first."""
+    end = math.inf
+    if trainer.max_epochs not in (None, -1) and math.isfinite(trainer.num_training_batches):
+        batches = trainer.num_training_batches
+        epoch, done = trainer.current_epoch, batches_done_in_epoch(trainer)
+        if done >= batches:  # saved at the end of an epoch
+            epoch, done = epoch + 1, 0
+        end = step + ((trainer.max_epochs - epoch) * batches - done) // trainer.accumulate_grad_batches
+    return min(end, trainer.max_steps) if trainer.max_steps != -1 else end
+
+
+def steps_per_epoch(trainer: Any) -> int:
+    """Optimizer steps per epoch (training batches over gradient accumulation), at least 1."""
+    return max(1, math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches))
+
+
+def global_batch_size(module: Any) -> int:
+    """Per-device batch × devices × accumulation, from the training loader (loaded here when not yet)."""
+    trainer = module.trainer
+    loader = ensure_train_dataloader(trainer)
+    batch_size = getattr(loader, "batch_size", None) or getattr(
+        getattr(loader, "batch_sampler", None), "batch_size", None
+    )
+    if batch_size is None:
+        raise ConfigError(
+            f"{type(module).__name__} scales lr (given per 256 images) by the global batch size, but the training "
+            "dataloader has no batch_size attribute; use a torch DataLoader with batch_size set"
+        )
+    return batch_size * trainer.world_size * trainer.accumulate_grad_batches

@@ -1,0 +1,148 @@
+"""Checkpoints are read weights-only: a downloaded checkpoint cannot run code through any entry point.
+
+The crafted file is a real checkpoint (a tiny MoCo run) with one extra hyper-parameter whose unpickling would call
+``open(MARKER, "w")`` (``io.open``): through every entry point it is refused in one line naming the file and the global it asks
+for, and the marker file never appears; ``MOCO_LIGHTNING_ALLOW_PICKLE=1`` (documented, off by default) loads it.
+"""
+
+from __future__ import annotations
+
+import builtins
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from moco_lightning import MoCo, Pretraining, load_backbone
+from moco_lightning.checkpoint import ALLOW_PICKLE, read_checkpoint
+from moco_lightning.cli import run_cli
+from moco_lightning.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+LEGACY = Path(__file__).parent / "fixtures" / "format2" / "MoCo.ckpt"
+
+
+class Payload:
+    """Unpickled, it creates ``path``: what a malicious checkpoint would do (with a command instead)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return builtins.open, (self.path, "w")
+
+
+@pytest.fixture
+def evil(tmp_path):
+    """(crafted checkpoint, crafted export, marker path)."""
+    marker = tmp_path / "MARKER"
+    checkpoint = torch.load(LEGACY, weights_only=True)
+    checkpoint["hyper_parameters"]["note"] = Payload(marker)
+    torch.save(checkpoint, tmp_path / "evil.ckpt")
+    export = {k[len("backbone.") :]: v for k, v in checkpoint["state_dict"].items() if k.startswith("backbone.")}
+    export["note"] = Payload(marker)
+    torch.save(export, tmp_path / "evil.pt")
+    assert not marker.exists()
+    return tmp_path / "evil.ckpt", tmp_path / "evil.pt", marker
+
+
+def refused(text: str, path: Path) -> bool:
+    return f"{path}: refused: loading it needs pickle to import io.open" in text and ALLOW_PICKLE in text
+
+
+def test_the_reader_refuses_a_file_that_needs_pickle_and_the_opt_in_loads_it(evil, monkeypatch):
+    ckpt, export, marker = evil
+    for path in (ckpt, export):
+        with pytest.raises(ConfigError) as error:
+            read_checkpoint(path, expect="either")
+        assert refused(str(error.value), path) and "\n" not in str(error.value)
+    assert not marker.exists()
+    monkeypatch.setenv(ALLOW_PICKLE, "1")  # the documented opt-in, for a trusted source
+    read_checkpoint(ckpt)
+    assert marker.exists()
+
+
+def test_export_load_backbone_and_load_from_checkpoint_refuse_it(evil, tmp_path, capsys):
+    from moco_lightning.export import main as export
+    from moco_lightning.linear_eval import LinearClassifier
+
+    ckpt, pt, marker = evil
+    with pytest.raises(SystemExit) as exit_:
+        export(["--ckpt", str(ckpt), "--out", str(tmp_path / "backbone.pt")])
+    assert exit_.value.code == 2 and refused(capsys.readouterr().err, ckpt)
+    assert not (tmp_path / "backbone.pt").exists()
+    for load, path in (
+        (lambda p: load_backbone(p), pt),
+        (lambda p: MoCo.load_from_checkpoint(p), ckpt),
+        (lambda p: LinearClassifier.load_from_checkpoint(p), ckpt),
+        (lambda p: LinearClassifier(ckpt_path=str(p)), ckpt),
+        (lambda p: LinearClassifier(backbone_state_dict=str(p)), pt),
+    ):
+        with pytest.raises(ConfigError) as error:
+            load(path)
+        assert refused(str(error.value), path)
+    assert not marker.exists()
+
+
+def test_the_cli_fit_validate_and_linear_eval_refuse_it(evil, tmp_path, monkeypatch, capsys):
+    from moco_lightning.linear_eval import LinearClassifier
+
+    ckpt, pt, marker = evil
+    monkeypatch.chdir(tmp_path)
+    quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    commands = [
+        (Pretraining, ["fit", "--config", quickstart, "--ckpt_path", str(ckpt)]),
+        (Pretraining, ["validate", "--config", quickstart, "--ckpt_path", str(ckpt)]),
+        (LinearClassifier, ["fit", "--config", str(ROOT / "configs" / "low_label.yaml"), "--model.ckpt_path", str(ckpt)]),
+        (LinearClassifier, ["fit", "--config", str(ROOT / "configs" / "linear_eval.yaml"), "--model.backbone_state_dict", str(pt)]),
+    ]  # fmt: skip
+    for model_class, args in commands:
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(model_class, args, default_model=MoCo if model_class is Pretraining else None)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+        assert refused(err, ckpt if "evil.ckpt" in " ".join(args) else pt), err
+    assert not marker.exists()
+
+
+def test_the_trainer_reads_ckpt_path_weights_only_even_when_asked_for_pickle(evil, tmp_path):
+    """Python users' Trainer.fit(ckpt_path=...): the module makes the Trainer read through the safe reader, whatever
+    weights_only the call passes (Lightning's own default is full pickle)."""
+    from conftest import cpu_trainer, tiny_data
+
+    ckpt, _, marker = evil
+    model = MoCo(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, cifar_stem=True, hidden_dim=16,
+                 dim=8, queue_size=32, bn_splits=2)  # fmt: skip
+    with pytest.raises(ConfigError, match="refused: loading it needs pickle to import io.open"):
+        cpu_trainer(max_steps=3, limit_val_batches=0).fit(model, tiny_data(), ckpt_path=ckpt, weights_only=False)
+    assert not marker.exists()
+
+
+def test_ckpt_path_last_skips_a_refused_newest_checkpoint_saying_why(evil, tmp_path, monkeypatch, capsys):
+    ckpt, _, marker = evil
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / "older.ckpt").write_bytes(LEGACY.read_bytes())
+    (folder / "last.ckpt").write_bytes(ckpt.read_bytes())
+    config = dict(
+        trainer=dict(accelerator="cpu", max_steps=3, logger={"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                     "init_args": {"save_dir": "runs", "name": "tiny"}}, enable_progress_bar=False,
+                     limit_val_batches=0, num_sanity_val_steps=0),
+        model=dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, cifar_stem=True, hidden_dim=16,
+                   dim=8, queue_size=32, bn_splits=2),
+        data={"class_path": "moco_lightning.datamodules.FashionMNISTDataModule",
+              "init_args": dict(batch_size=16, train_subset=64, val_subset=16)},
+    )  # fmt: skip
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    cli = run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "last"], default_model=MoCo)
+    err = capsys.readouterr().err
+    assert "last.ckpt could not be used (refused: loading it needs pickle" in err and "resuming" in err
+    assert cli.trainer.global_step == 3 and not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["MoCo", "MoCoV3", "EndToEnd", "MemoryBankMoCo", "SimCLR", "BYOL", "SwAV"])
+def test_the_previous_formats_checkpoints_load_weights_only(name):
+    checkpoint = read_checkpoint(Path(__file__).parent / "fixtures" / "format2" / f"{name}.ckpt")
+    assert checkpoint["moco_lightning"]["format_version"] == 2 and checkpoint["global_step"] == 2

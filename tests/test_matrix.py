@@ -1,0 +1,365 @@
+"""Every method × every entry point, on tiny data and tiny networks.
+
+Methods: MoCo v1, v2, v2+ (symmetric), v3 with a ResNet and with a ViT, EndToEnd, MemoryBankMoCo, SimCLR, BYOL, SwAV.
+Entry points: the CLI from a minimal config (each class's own defaults, the paper's), CLI fit, Python fit (the same
+weights as the CLI), a resume from a mid-epoch checkpoint (bit-equal to the run never interrupted), a run that
+``max_steps`` stopped mid-epoch extended with ``--ckpt_path`` (bit-equal too), ``load_from_checkpoint``,
+``validate``, ``test`` / ``predict`` (one-line refusals), ``export`` + ``load_backbone``, linear evaluation and
+low-label fine-tuning from the checkpoint and from the export.
+
+One run per method (8 steps, a checkpoint after each) is shared by that method's tests: they run in
+one pytest-xdist group (``--dist loadgroup``), and the run is made once per worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import moco_lightning
+from moco_lightning import MoCo, Pretraining
+from moco_lightning.cli import run_cli
+
+TINY = dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, hidden_dim=16, dim=8)
+CONSTANT = dict(lr_schedule="constant", warmup_epochs=0)  # schedules that do not depend on the planned length
+VIT = {
+    "class_path": "moco_lightning.backbones.ViT",
+    "init_args": dict(image_size=28, patch_size=7, in_channels=1, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32),
+}
+METHODS = {  # name: (class, the tiny run's arguments)
+    "moco_v1": ("MoCo", dict(head="linear", temperature=0.07, queue_size=32, momentum=0.99, bn_splits=2)),
+    "moco_v2": ("MoCo", dict(queue_size=32, bn_splits=2)),
+    "moco_v2plus": ("MoCo", dict(queue_size=32, symmetric=True, bn_splits=2)),
+    "moco_v3_resnet": ("MoCoV3", dict(momentum_schedule="constant")),
+    "moco_v3_vit": (
+        "MoCoV3",
+        dict(
+            backbone=VIT, width=1.0, optimizer="adamw", lr=1e-3, momentum_schedule="constant", freeze_patch_embed=True
+        ),
+    ),
+    "end_to_end": ("EndToEnd", dict(symmetric=True)),
+    "memory_bank": ("MemoryBankMoCo", dict(memory_bank_size=64, num_negatives=16)),
+    "simclr": ("SimCLR", {}),
+    "byol": ("BYOL", dict(momentum_schedule="constant")),
+    "swav": ("SwAV", dict(n_prototypes=10, freeze_prototypes_epochs=0)),
+}
+MOMENTUM = {"MoCo", "MoCoV3", "BYOL"}  # methods with a momentum copy of the backbone
+DATA = {
+    "class_path": "moco_lightning.datamodules.FashionMNISTDataModule",
+    "init_args": dict(batch_size=16, train_subset=64, val_subset=32, seed=0),
+}
+
+# the papers' values, what a config naming only the class gets (the official v1/v2 code, MoCo v3, InstDisc / the MoCo
+# paper's Fig. 3 for the other two dictionaries, SimCLR §B.1, BYOL §3.2, SwAV's batch-256 recipe)
+DEFAULTS = {
+    "MoCo": dict(head="mlp", dim=128, hidden_dim=2048, queue_size=65536, momentum=0.999, momentum_schedule="constant",
+                 temperature=0.2, symmetric=False, optimizer="sgd", lr=0.03, weight_decay=1e-4, decay_norm_bias=True,
+                 lr_schedule="cosine", warmup_epochs=0.0),
+    "MoCoV3": dict(dim=256, hidden_dim=4096, momentum=0.99, momentum_schedule="cosine", temperature=1.0,
+                   optimizer="lars", lr=0.6, weight_decay=1e-6, warmup_epochs=10.0, lr_schedule="cosine",
+                   shuffle_bn="off", zero_init_residual=True),
+    "EndToEnd": dict(head="linear", temperature=0.07, symmetric=False, dim=128, decay_norm_bias=True),
+    "MemoryBankMoCo": dict(head="linear", temperature=0.07, num_negatives=4096, bank_momentum=0.5, dim=128),
+    "SimCLR": dict(temperature=0.5, hidden_dim=2048, dim=128, optimizer="lars", lr=0.3, weight_decay=1e-6,
+                   warmup_epochs=10.0, decay_norm_bias=False),
+    "BYOL": dict(momentum=0.996, momentum_schedule="cosine", hidden_dim=4096, dim=256, optimizer="lars", lr=0.2,
+                 weight_decay=1.5e-6, warmup_epochs=10.0, decay_norm_bias=False),
+    "SwAV": dict(temperature=0.1, n_prototypes=3000, sinkhorn_iterations=3, sinkhorn_epsilon=0.05,
+                 freeze_prototypes_epochs=1.0, optimizer="lars", lr=0.6, weight_decay=1e-6, decay_norm_bias=False),
+}  # fmt: skip
+ABSENT = {  # settings a class must not offer (its mechanism has no such thing)
+    "MoCoV3": ("queue_size", "head", "symmetric"),
+    "EndToEnd": ("queue_size", "momentum", "momentum_schedule", "shuffle_bn", "bn_splits"),
+    "MemoryBankMoCo": ("queue_size", "momentum", "momentum_schedule", "shuffle_bn", "bn_splits"),
+    "SimCLR": ("momentum", "queue_size"),
+    "SwAV": ("momentum", "queue_size"),
+}
+SHIPPED = {  # the shipped configs of the MoCo variants: what they must say
+    "moco_v1.yaml": dict(head="linear", temperature=0.07, momentum=0.999, queue_size=65536, lr_schedule="step"),
+    "moco_v2plus.yaml": dict(symmetric=True, momentum_schedule="cosine", head="mlp"),
+    "moco_v3_vit_small.yaml": dict(optimizer="adamw", lr=1.5e-4, weight_decay=0.1, warmup_epochs=40.0),
+}
+
+GROUPS = [pytest.param(m, marks=pytest.mark.xdist_group(m)) for m in METHODS]
+
+
+def cls_of(method: str) -> type:
+    return getattr(moco_lightning, METHODS[method][0])
+
+
+def config(method: str, folder: Path, max_steps: int = 8) -> Path:
+    """The tiny run's config (a checkpoint after every step, step=N.ckpt and last.ckpt) in ``folder``."""
+    name, args = METHODS[method]
+    trainer = dict(
+        accelerator="cpu", max_steps=max_steps, max_epochs=10, logger=False, enable_progress_bar=False,
+        default_root_dir=str(folder),
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[{
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": dict(dirpath=str(folder / "ckpt"), every_n_train_steps=1, save_last=True, save_top_k=-1,
+                              filename="{step}"),
+        }],
+    )  # fmt: skip
+    model = {"class_path": f"moco_lightning.{name}", "init_args": {**TINY, **CONSTANT, **args}}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(dict(seed_everything=0, trainer=trainer, model=model, data=DATA)))
+    return path
+
+
+def cli(*args: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_cli(Pretraining, list(args), default_model=MoCo)
+
+
+_RUNS: dict = {}
+
+
+def run(method: str, tmp_path_factory) -> Path:
+    """The method's shared run: 8 steps through the CLI (4 steps an epoch), its folder."""
+    if method not in _RUNS:
+        folder = tmp_path_factory.mktemp(method)
+        result = cli("fit", "--config", str(config(method, folder)))
+        assert result.trainer.global_step == 8
+        _RUNS[method] = folder
+    return _RUNS[method]
+
+
+def state(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    """Weights and buffers (queues, banks, momentum copies) and the optimizer's state bit-equal."""
+    assert a["global_step"] == b["global_step"]
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    for key, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][key]), key
+    for i, opt in a["optimizer_states"][0]["state"].items():
+        for key, value in opt.items():
+            assert torch.equal(value, b["optimizer_states"][0]["state"][i][key]), (i, key)
+
+
+# --- the CLI from a minimal config: each class's own defaults ----------------------------------
+def printed_model(capsys, *args: str) -> dict:
+    with pytest.raises(SystemExit):
+        cli("fit", *args, "--print_config")
+    return yaml.safe_load(capsys.readouterr().out)["model"]
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_a_minimal_config_gets_the_papers_defaults(name, tmp_path, capsys):
+    minimal = tmp_path / "minimal.yaml"
+    minimal.write_text(f"model:\n  class_path: moco_lightning.{name}\n")
+    printed = printed_model(capsys, "--config", str(minimal))
+    assert printed["class_path"] == f"moco_lightning.{name}"
+    got = printed["init_args"]
+    assert {k: got[k] for k in DEFAULTS[name]} == DEFAULTS[name]
+    assert not set(ABSENT.get(name, ())) & set(got)
+    if name == "MoCo":  # a config without class_path is MoCo v2
+        without = tmp_path / "plain.yaml"
+        without.write_text("model:\n  queue_size: 4096\n")
+        plain = printed_model(capsys, "--config", str(without))
+        assert plain["class_path"] == "moco_lightning.MoCo" and plain["init_args"]["queue_size"] == 4096
+
+
+@pytest.mark.parametrize("shipped", list(SHIPPED))
+def test_the_shipped_variant_configs_say_their_papers_values(shipped, capsys):
+    got = printed_model(capsys, "--config", str(Path(__file__).parents[1] / "configs" / shipped))["init_args"]
+    assert {k: got[k] for k in SHIPPED[shipped]} == SHIPPED[shipped]
+
+
+# --- training entry points ---------------------------------------------------------------------
+@pytest.mark.parametrize("method", GROUPS)
+def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory):
+    from lightning.pytorch import Trainer, seed_everything
+
+    from moco_lightning.backbones import build_from_spec
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    cli_run = state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt")
+    seed_everything(0, verbose=False)
+    args = {**TINY, **CONSTANT, **METHODS[method][1]}
+    if isinstance(args["backbone"], dict):
+        args["backbone"] = build_from_spec(args["backbone"])
+    model = cls_of(method)(**args)
+    trainer = Trainer(
+        accelerator="cpu", max_steps=8, max_epochs=10, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, FashionMNISTDataModule(**DATA["init_args"]))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, cli_run["state_dict"][key]), key
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_a_resume_from_a_mid_epoch_checkpoint_is_bit_equal(method, tmp_path_factory, tmp_path):
+    """The step-3 checkpoint (epoch 0, batch 3 of 4): what a run killed after it leaves; resumed to step 8."""
+    straight = run(method, tmp_path_factory)
+    cli("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(straight / "ckpt" / "step=3.ckpt"))
+    assert_same_run(state(straight / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_extending_a_run_stopped_mid_epoch_continues_that_epoch(method, tmp_path_factory, tmp_path):
+    """max_steps 6 stops in epoch 1 after 2 of its 4 batches; extended to 8 with --ckpt_path, steps 7-8 are that
+    epoch's batches 3-4: the run ends bit-equal to the one that ran 8 steps at once."""
+    cli("fit", "--config", str(config(method, tmp_path, max_steps=6)))
+    assert state(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6
+    cli("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
+    assert_same_run(state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
+
+
+# --- reloading, validating, refusing -----------------------------------------------------------
+@pytest.mark.parametrize("method", GROUPS)
+def test_load_from_checkpoint_rebuilds_the_module_and_its_weights(method, tmp_path_factory):
+    path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
+    saved = state(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cls_of(method).load_from_checkpoint(path)
+    assert type(model) is cls_of(method)
+    assert model.state_dict().keys() == saved["state_dict"].keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved["state_dict"][key]), key
+    for key, value in METHODS[method][1].items():
+        assert model.hparams[key] == value, key
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_validate_from_the_checkpoint_reports_the_pretext_metrics(method, tmp_path_factory):
+    folder = run(method, tmp_path_factory)
+    args = ("validate", "--config", str(folder / "config.yaml"), "--ckpt_path", str(folder / "ckpt" / "last.ckpt"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_cli(Pretraining, [*args, "--trainer.limit_val_batches=2"], default_model=MoCo)
+    metrics = result.trainer.callback_metrics
+    if method == "memory_bank":  # validation images have no row in the bank: said, not silent
+        assert any("MemoryBankMoCo has no validation loss" in str(w.message) for w in caught)
+    else:
+        assert torch.isfinite(metrics["val/loss"])
+    if cls_of(method).__name__ in ("MoCo", "MoCoV3", "EndToEnd"):
+        assert 0 <= float(metrics["val/acc1"]) <= 1
+
+
+@pytest.mark.parametrize("sub", ["test", "predict"])
+@pytest.mark.parametrize("method", GROUPS)
+def test_test_and_predict_are_refused_in_one_line(method, sub, tmp_path_factory, capsys):
+    folder = run(method, tmp_path_factory)
+    with pytest.raises(SystemExit) as exit_:
+        cli(sub, "--config", str(folder / "config.yaml").replace("config.yaml", "config.yaml"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 2 and err[0].startswith(f"moco-lightning {sub}: error: {sub}: ")
+
+
+# --- the encoder downstream: export, load_backbone, linear evaluation, low labels ----------------
+@pytest.mark.parametrize("method", GROUPS)
+def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_factory, tmp_path):
+    from moco_lightning import load_backbone
+    from moco_lightning.export import main as export
+
+    path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
+    saved = state(path)["state_dict"]
+    model = cls_of(method).load_from_checkpoint(path).eval()
+    encoders = {"query": "backbone"}
+    if cls_of(method).__name__ in MOMENTUM:
+        encoders["key"] = "key_backbone" if cls_of(method).__name__ != "BYOL" else "target_backbone"
+    x = torch.randn(4, 1, 28, 28)
+    for encoder, prefix in encoders.items():
+        out = tmp_path / f"{encoder}.pt"
+        export(["--ckpt", str(path), "--out", str(out), "--encoder", encoder])
+        backbone = load_backbone(out).eval()
+        for key, value in backbone.state_dict().items():
+            assert torch.equal(value, saved[f"{prefix}.{key}"]), (encoder, key)
+        if encoder == "query":
+            torch.testing.assert_close(backbone(x), model(x), rtol=0, atol=0)
+    if cls_of(method).__name__ not in MOMENTUM:
+        with pytest.raises(SystemExit):
+            export(["--ckpt", str(path), "--out", str(tmp_path / "k.pt"), "--encoder", "key"])
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_linear_evaluation_and_low_label_fine_tuning_from_checkpoint_and_export(method, tmp_path_factory, tmp_path):
+    from lightning.pytorch import Trainer
+
+    from moco_lightning.datamodules import FashionMNISTDataModule
+    from moco_lightning.export import main as export
+    from moco_lightning.linear_eval import LinearClassifier
+
+    path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
+    saved = state(path)["state_dict"]
+    export(["--ckpt", str(path), "--out", str(tmp_path / "backbone.pt")])
+    sources = {"ckpt_path": str(path), "backbone_state_dict": str(tmp_path / "backbone.pt")}
+    for source, value in sources.items():
+        for low_label in (False, True):
+            extra = dict(labels_per_class=2, finetune=True, lr=0.05, schedule="cosine") if low_label else {}
+            classifier = LinearClassifier(**{source: value}, **extra)
+            for key, weight in classifier.backbone.state_dict().items():
+                assert torch.equal(weight, saved[f"backbone.{key}"]), (source, key)
+            data = FashionMNISTDataModule(batch_size=8, train_subset=64, val_subset=16, pretrain=False, seed=0)
+            trainer = Trainer(
+                accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1, logger=False,
+                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                num_sanity_val_steps=0,
+            )  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer.fit(classifier, data)
+            assert trainer.global_step == 2 and 0 <= float(trainer.callback_metrics["val/acc1"]) <= 1
+            moved = any(not torch.equal(w, saved[f"backbone.{k}"]) for k, w in classifier.backbone.state_dict().items())
+            assert moved == low_label, (source, low_label)  # frozen for the linear probe, trained when fine-tuned
+            if low_label:
+                assert len(classifier.labelled_indices) == 2 * 10
+
+
+# --- checkpoints written by earlier versions -------------------------------------------------------
+FIXTURES = Path(__file__).parent / "fixtures" / "format2"
+FIXTURE_MODEL = dict(TINY, width=0.0625, cifar_stem=True)  # what they were trained with
+FIXTURE_ARGS = {
+    "MoCo": dict(queue_size=32, bn_splits=2),
+    "MoCoV3": {},
+    "EndToEnd": dict(head="mlp"),
+    "MemoryBankMoCo": dict(head="mlp", memory_bank_size=64, num_negatives=16),
+    "SimCLR": {},
+    "BYOL": {},
+    "SwAV": dict(n_prototypes=10),
+}
+
+
+@pytest.mark.parametrize("name", ["MoCo", "MoCoV3", "EndToEnd", "MemoryBankMoCo", "SimCLR", "BYOL", "SwAV"])
+def test_a_checkpoint_of_the_previous_format_loads_resumes_and_exports(name, tmp_path):
+    """Tiny checkpoints written by moco-lightning 0.2.0 (format 2, `moco-lightning fit`, 2 steps): MoCo v3,
+    EndToEnd and MemoryBankMoCo ones could not be reloaded then; they load, resume and export now."""
+    from moco_lightning.export import main as export
+
+    path = FIXTURES / f"{name}.ckpt"
+    saved = state(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = getattr(moco_lightning, name).load_from_checkpoint(path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved["state_dict"][key]), key
+    cfg = tmp_path / "resume.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            dict(
+                trainer=dict(accelerator="cpu", max_steps=3, max_epochs=1, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                             default_root_dir=str(tmp_path)),
+                model={"class_path": f"moco_lightning.{name}", "init_args": {**FIXTURE_MODEL, **FIXTURE_ARGS[name]}},
+                data={**copy.deepcopy(DATA), "init_args": dict(batch_size=16, train_subset=64, val_subset=16)},
+            )
+        )
+    )  # fmt: skip
+    result = cli("fit", "--config", str(cfg), "--ckpt_path", str(path))
+    assert result.trainer.global_step == 3 and type(result.model).__name__ == name
+    export(["--ckpt", str(path), "--out", str(tmp_path / "b.pt")])
+    assert (tmp_path / "b.pt").stat().st_size > 0
