@@ -1,8 +1,9 @@
 """Checkpoints are read weights-only: a downloaded checkpoint cannot run code through any entry point.
 
 The crafted file is a real checkpoint (a tiny MoCo run) with one extra hyper-parameter whose unpickling would call
-``open(MARKER, "w")`` (``io.open``): through every entry point it is refused in one line naming the file and the global it asks
-for, and the marker file never appears; ``MOCO_LIGHTNING_ALLOW_PICKLE=1`` (documented, off by default) loads it.
+``open(MARKER, "w")`` (``io.open``): through every entry point it is refused in one line naming the file and the
+global it asks for, and the marker file never appears; ``MOCO_LIGHTNING_ALLOW_PICKLE=1`` (documented, off by
+default) loads it.
 """
 
 from __future__ import annotations
@@ -91,12 +92,13 @@ def test_the_cli_fit_validate_and_linear_eval_refuse_it(evil, tmp_path, monkeypa
     ckpt, pt, marker = evil
     monkeypatch.chdir(tmp_path)
     quickstart = str(ROOT / "configs" / "quickstart.yaml")
+    low_label, linear = str(ROOT / "configs" / "low_label.yaml"), str(ROOT / "configs" / "linear_eval.yaml")
     commands = [
         (Pretraining, ["fit", "--config", quickstart, "--ckpt_path", str(ckpt)]),
         (Pretraining, ["validate", "--config", quickstart, "--ckpt_path", str(ckpt)]),
-        (LinearClassifier, ["fit", "--config", str(ROOT / "configs" / "low_label.yaml"), "--model.ckpt_path", str(ckpt)]),
-        (LinearClassifier, ["fit", "--config", str(ROOT / "configs" / "linear_eval.yaml"), "--model.backbone_state_dict", str(pt)]),
-    ]  # fmt: skip
+        (LinearClassifier, ["fit", "--config", low_label, "--model.ckpt_path", str(ckpt)]),
+        (LinearClassifier, ["fit", "--config", linear, "--model.backbone_state_dict", str(pt)]),
+    ]
     for model_class, args in commands:
         with pytest.raises(SystemExit) as exit_:
             run_cli(model_class, args, default_model=MoCo if model_class is Pretraining else None)
@@ -127,9 +129,9 @@ def test_ckpt_path_last_skips_a_refused_newest_checkpoint_saying_why(evil, tmp_p
     (folder / "older.ckpt").write_bytes(LEGACY.read_bytes())
     (folder / "last.ckpt").write_bytes(ckpt.read_bytes())
     config = dict(
-        trainer=dict(accelerator="cpu", max_steps=3, logger={"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                     "init_args": {"save_dir": "runs", "name": "tiny"}}, enable_progress_bar=False,
-                     limit_val_batches=0, num_sanity_val_steps=0),
+        trainer=dict(accelerator="cpu", max_steps=3, enable_progress_bar=False, limit_val_batches=0,
+                     num_sanity_val_steps=0, logger={"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                                     "init_args": {"save_dir": "runs", "name": "tiny"}}),
         model=dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, cifar_stem=True, hidden_dim=16,
                    dim=8, queue_size=32, bn_splits=2),
         data={"class_path": "moco_lightning.datamodules.FashionMNISTDataModule",
