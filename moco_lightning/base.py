@@ -15,14 +15,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.utils.data import DistributedSampler
 
 from . import _lightning, plan
 from . import checkpoint as ckpt
 from .backbones import build_backbone, is_backbone_spec
 from .batches import is_views_batch, split_views
-from .distributed import world_size
-from .errors import ConfigError, check_arguments
+from .distributed import equal_batches, world_size
+from .errors import check_arguments
 from .nan_guard import NanGuard
 
 
@@ -76,11 +75,6 @@ class Pretraining(LightningModule):
         compile_backend: str = "inductor",
     ) -> None:
         super().__init__()
-        if not isinstance(backbone, (str, nn.Module)) and not is_backbone_spec(backbone):
-            raise ConfigError(
-                f"{type(self).__name__}: backbone={backbone!r} is not allowed; backbone must be a "
-                "torchvision model name, 'timm:<name>' or an nn.Module"
-            )
         check_arguments(type(self).__name__, Pretraining.__init__, locals())
         # the hyper-parameters of the whole constructor chain; a backbone module is recorded when the CLI built it
         # from a class_path (its spec rebuilds it), not when a Python caller passed one
@@ -127,17 +121,7 @@ class Pretraining(LightningModule):
         _lightning.keep_out_of_ddp_broadcast(self, self.dictionary_buffers())
         if stage != "fit":
             return
-        if self.hparams.on_nan == "skip" and self.trainer.world_size > 1:
-            raise ConfigError(
-                f"{type(self).__name__}: on_nan='skip' cannot be used with {self.trainer.world_size} processes: every "
-                "rank must take the same optimizer steps (Lightning does not support skipping a batch under DDP); "
-                "use on_nan='raise'"
-            )
-        if str(self.trainer.precision) in ("64-true", "64", "transformer-engine"):
-            raise ConfigError(
-                f"{type(self).__name__}: trainer.precision={self.trainer.precision!r} is not supported (the "
-                "similarities, queue and losses are computed in fp32); use 32-true or bf16-mixed"
-            )
+        self.nan_guard.check_trainer(self.trainer)
         if self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
         if self.hparams.compile and not getattr(self, "_compiled", False):
@@ -150,18 +134,8 @@ class Pretraining(LightningModule):
             dist.broadcast(self.get_buffer(name), src=0)
 
     def on_train_start(self) -> None:
-        # Lightning's DistributedSampler gives every rank the same number of samples, so every batch has the same
-        # size on every rank; otherwise (a sampler of one's own, uneven shards) the gathers exchange sizes first.
-        loader = self.trainer.train_dataloader
-        self._equal_batches = getattr(loader, "equal_batches", False) or (  # DALI loaders say so themselves
-            isinstance(getattr(loader, "sampler", None), DistributedSampler)
-            and getattr(loader, "batch_size", None) is not None
-        )
-        if self._resume.get("rng") is not None:  # resuming: this rank's global RNGs continue where they were saved
-            ckpt.set_rng_states(self._resume["rng"])
-        _lightning.load_pending_loader_states(self.trainer)  # the resumed epoch continues at its next batch
-        if self._resume.get("plan") and self.trainer.ckpt_path:
-            plan.continue_plan(self, self.step_plan)
+        self._equal_batches = equal_batches(self.trainer.train_dataloader)
+        ckpt.continue_run(self, self._resume)  # RNG states, the loader's position, the schedules
         self._resume = {}
         self._stepped = self.global_step
 
@@ -192,15 +166,6 @@ class Pretraining(LightningModule):
     def step_scalars(self) -> dict[str, float]:
         """What a step logs beside the loss and the lr (the momentum of a momentum copy)."""
         return {}
-
-    def two_views(self, views: Sequence[Tensor]) -> Sequence[Tensor]:
-        """The two global views, refusing local views that a two-view method would otherwise leave unused."""
-        if len(views) > 2:
-            raise ConfigError(
-                f"{type(self).__name__} uses two views, but the batch has {len(views)}: set the datamodule's "
-                "local_views to 0 (multi-crop is for MoCo and SwAV)"
-            )
-        return views
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
         out = self.views_loss(self.batch_views(batch)[0])
@@ -258,36 +223,12 @@ class Pretraining(LightningModule):
             return float(step), self.trainer.estimated_stepping_batches
         return self.step_plan.position(step), self.step_plan.planned
 
-    def steps_per_epoch(self) -> int:
-        return plan.steps_per_epoch(self.trainer)
-
-    def global_batch_size(self) -> int:
-        return plan.global_batch_size(self)
-
     # --- checkpoints ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        self.nan_guard.raise_if_pending()
-        bad = [name for name, p in self.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise FloatingPointError(
-                f"{type(self).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
-            )
-        # Lightning runs the callbacks' on_train_batch_end (ModelCheckpoint's step-based saves) before the module's:
-        # finish this step first, so that a checkpoint at step N holds N momentum updates (and N steps' keys).
-        if self._trainer is not None and self.trainer.training:
-            self.finish_step()
-            saved = checkpoint["state_dict"]
-            saved.update({k: v for k, v in self.state_dict().items() if k in saved})
-        step_plan = self.step_plan.state_dict() if self.step_plan is not None else None
-        checkpoint["moco_lightning"] = ckpt.metadata(step_plan=step_plan, momentum_copies=self.momentum_copies())
+        ckpt.save_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        ckpt.upgrade(checkpoint, type(self))
-        meta = checkpoint.get("moco_lightning")
-        ckpt.check_format(meta, type(self).__name__)
-        ckpt.check_structure(checkpoint.get("hyper_parameters", {}), self.hparams, self.STRUCTURAL, type(self).__name__)
-        self._resume = {"rng": ckpt.this_ranks_rng_states(meta), "plan": meta.get("step_plan")}
-        _lightning.reopen_cut_epoch(checkpoint)
+        self._resume = ckpt.restore_state(self, checkpoint)
 
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]

@@ -39,6 +39,16 @@ def split_views(batch: Any, who: str, in_channels: Optional[int] = None) -> tupl
     return list(views), index
 
 
+def two_views(views: list[Tensor], who: str) -> list[Tensor]:
+    """The two global views of a two-view method, refusing local views it would otherwise leave unused."""
+    if len(views) > 2:
+        raise ConfigError(
+            f"{who} uses two views, but the batch has {len(views)}: set the datamodule's local_views to 0 (multi-crop "
+            "is for MoCo and SwAV)"
+        )
+    return views
+
+
 def is_views_batch(batch: Any) -> bool:
     """A batch of views (a list of view tensors, or stacked (N, V, C, H, W)) rather than an evaluation batch."""
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else None

@@ -16,6 +16,7 @@ from lightly.models.modules.heads import BYOLPredictionHead, BYOLProjectionHead
 from torch import Tensor, nn
 
 from .base import Pretraining
+from .batches import two_views
 from .errors import check_arguments
 from .loss import normalized_mse
 from .momentum import MomentumCopy
@@ -67,7 +68,7 @@ class BYOL(Pretraining):
 
     def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
         """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network."""
-        x0, x1 = self.two_views(views)
+        x0, x1 = two_views(views, type(self).__name__)
         x = self._layout(torch.cat([x0, x1]))
         h = self.backbone(x)
         p0, p1 = self.prediction_head(self.projection_head(h)).float().chunk(2)

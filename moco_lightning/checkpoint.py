@@ -229,6 +229,50 @@ def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
     return saved[rank()]
 
 
+def save_state(module: Any, checkpoint: dict) -> None:
+    """``on_save_checkpoint`` of the pretraining modules: no checkpoint of bad weights; the step being finished (a
+    callback's save at step N runs before the module's ``on_train_batch_end``: the checkpoint then holds N momentum
+    updates and N steps' keys); the metadata."""
+    module.nan_guard.raise_if_pending()
+    bad = [name for name, p in module.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise FloatingPointError(
+            f"{type(module).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
+        )
+    if module._trainer is not None and module.trainer.training:
+        module.finish_step()
+        saved = checkpoint["state_dict"]
+        saved.update({k: v for k, v in module.state_dict().items() if k in saved})
+    plan = module.step_plan.state_dict() if module.step_plan is not None else None
+    checkpoint["moco_lightning"] = metadata(step_plan=plan, momentum_copies=module.momentum_copies())
+
+
+def restore_state(module: Any, checkpoint: dict) -> dict:
+    """``on_load_checkpoint`` of the pretraining modules: an older format upgraded, the format and the structure
+    checked, an epoch a ``max_steps`` stop cut short re-opened; returns what the run resumes (RNG states, step plan)."""
+    from ._lightning import reopen_cut_epoch
+
+    who = type(module).__name__
+    upgrade(checkpoint, type(module))
+    meta = checkpoint.get("moco_lightning")
+    check_format(meta, who)
+    check_structure(checkpoint.get("hyper_parameters", {}), module.hparams, module.STRUCTURAL, who)
+    reopen_cut_epoch(checkpoint)
+    return {"rng": this_ranks_rng_states(meta), "plan": meta.get("step_plan")}
+
+
+def continue_run(module: Any, resume: dict) -> None:
+    """At ``on_train_start`` of a resumed run: this rank's global RNGs continue where they were saved, the training
+    loader at its next batch, the schedules as planned (stretched to another length, rescaled for another batch)."""
+    from . import _lightning, plan
+
+    if resume.get("rng") is not None:
+        set_rng_states(resume["rng"])
+    _lightning.load_pending_loader_states(module.trainer)
+    if resume.get("plan") and module.trainer.ckpt_path:
+        plan.continue_plan(module, module.step_plan)
+
+
 def load_module(
     cls: type, checkpoint_path: Any, map_location: Any = None, strict: Optional[bool] = None, **kwargs: Any
 ):

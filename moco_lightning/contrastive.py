@@ -32,6 +32,7 @@ from .errors import check_arguments
 from .loss import gather_keys, info_nce
 from .momentum import MomentumCopy
 from .negatives import Negatives
+from .plan import global_batch_size
 from .split_bn import check_bn_splits, convert_split_bn, revert_split_bn, shuffle_mode
 
 
@@ -255,7 +256,7 @@ class MomentumContrast(Contrastive):
 
     def configure_optimizers(self) -> dict:
         if self._shuffle == "split":  # at fit start, before any callback's evaluation
-            per_device = self.global_batch_size() // (self.trainer.world_size * self.trainer.accumulate_grad_batches)
+            per_device = global_batch_size(self) // (self.trainer.world_size * self.trainer.accumulate_grad_batches)
             check_bn_splits(self.hparams.bn_splits, per_device)
         return super().configure_optimizers()
 

@@ -15,6 +15,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+def equal_batches(loader: Any) -> bool:
+    """Every rank's batch from ``loader`` has the same size, so gathers need not exchange sizes first: Lightning's
+    DistributedSampler gives every rank the same number of samples (DALI loaders say so themselves); a sampler of
+    one's own may shard unevenly."""
+    from torch.utils.data import DistributedSampler
+
+    return getattr(loader, "equal_batches", False) or (
+        isinstance(getattr(loader, "sampler", None), DistributedSampler)
+        and getattr(loader, "batch_size", None) is not None
+    )
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

@@ -10,13 +10,14 @@ skips the batch with a warning instead.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .distributed import world_size
+from .errors import ConfigError
 
 
 class NanGuard:
@@ -25,6 +26,20 @@ class NanGuard:
     def __init__(self, on_nan: str, owner: str) -> None:
         self.on_nan, self.owner = on_nan, owner
         self._pending: Optional[tuple] = None  # (flag, event, loss, where) of the last step
+
+    def check_trainer(self, trainer: Any) -> None:
+        """``on_nan="skip"`` needs one process (DDP ranks must take the same optimizer steps); the losses are fp32
+        (a float64 or transformer-engine precision is refused)."""
+        if str(trainer.precision) in ("64-true", "64", "transformer-engine"):
+            raise ConfigError(
+                f"{self.owner}: trainer.precision={trainer.precision!r} is not supported (the similarities, queue and "
+                "losses are computed in fp32); use 32-true or bf16-mixed"
+            )
+        if self.on_nan == "skip" and trainer.world_size > 1:
+            raise ConfigError(
+                f"{self.owner}: on_nan='skip' cannot be used with {trainer.world_size} processes: every rank must take "
+                "the same optimizer steps (Lightning does not support skipping a batch under DDP); use on_nan='raise'"
+            )
 
     def usable(self, loss: Tensor, where: str, hints: Callable[[], str]) -> bool:
         """False: skip this batch (``on_nan="skip"``). Otherwise the deferred, collective check (see the module)."""

@@ -18,6 +18,7 @@ from lightly.models.modules.heads import SimCLRProjectionHead
 from torch import Tensor, nn
 
 from .base import Pretraining
+from .batches import two_views
 from .errors import check_arguments
 from .loss import nt_xent
 
@@ -60,7 +61,7 @@ class SimCLR(Pretraining):
 
     def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
         """NT-Xent over both views (fp32 logits); the features of the first view for the callbacks."""
-        x0, x1 = self.two_views(views)
+        x0, x1 = two_views(views, type(self).__name__)
         h = self.backbone(self._layout(torch.cat([x0, x1])))
         z0, z1 = self.projection_head(h).float().chunk(2)
         with torch.autocast(h.device.type, enabled=False):  # the similarities in fp32 under autocast

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .base import Pretraining
 from .errors import check_arguments
 from .heads import Prototypes
+from .plan import steps_per_epoch
 
 
 class SwAV(Pretraining):
@@ -91,7 +92,7 @@ class SwAV(Pretraining):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._frozen_steps = round(self.hparams.freeze_prototypes_epochs * self.steps_per_epoch())
+        self._frozen_steps = round(self.hparams.freeze_prototypes_epochs * steps_per_epoch(self.trainer))
 
     def on_after_backward(self) -> None:
         if self.global_step < self._frozen_steps:  # after DDP's all-reduce: every rank drops the same gradient

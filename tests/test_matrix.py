@@ -97,7 +97,7 @@ def config(method: str, folder: Path, max_steps: int = 8) -> Path:
     name, args = METHODS[method]
     trainer = dict(
         accelerator="cpu", max_steps=max_steps, max_epochs=10, logger=False, enable_progress_bar=False,
-        default_root_dir=str(folder),
+        default_root_dir=str(folder / "root"),  # where LightningCLI saves the config it ran
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
         callbacks=[{
             "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
