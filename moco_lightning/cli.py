@@ -302,9 +302,9 @@ def _plain(value: Any) -> Any:
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 REFUSED = {  # subcommands Lightning offers that have nothing to run here: one line each, saying what to use instead
-    "test": "test: a pretraining run has no test step, and a datamodule of this library no test split of its own: "
-    "measure the encoder with `moco-lightning evaluate --ckpt <checkpoint>` (kNN, linear, low-label), or "
-    "`validate --ckpt_path <checkpoint>` for the pretext metrics on the held-out split",
+    "test": "test: there is no test step, and a datamodule of this library has no test split of its own (its val "
+    "split is the held-out one): `validate --ckpt_path <checkpoint>` reports the held-out metrics; an encoder's "
+    "accuracy comes from linear evaluation (python -m moco_lightning.linear_eval fit --model.ckpt_path ...)",
     "predict": "predict: for features, export the backbone (`moco-lightning export --ckpt <checkpoint> --out "
     "backbone.pt`) and run it on your images, or call trainer.predict(model, dataloaders=...) from Python "
     "(predict_step returns backbone features); for class predictions use linear_eval's classifier in Python",
@@ -332,6 +332,45 @@ def _help_formatter() -> type:
 
 
 _HelpFormatter = _help_formatter()
+
+
+def yaml_error(argv: list[str]) -> Optional[str]:
+    """The config file of ``argv`` that is not valid YAML, with the line and column of the fault (jsonargparse's
+    message names neither the file nor the line in it)."""
+    import yaml
+
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for name in files:
+        try:
+            yaml.safe_load(Path(name).read_text())
+        except OSError:
+            continue
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            return f"--config {name}: not valid YAML{where}: {getattr(e, 'problem', None) or e}"
+    return None
+
+
+def missing_argument(error: BaseException) -> Optional[str]:
+    """A required constructor argument that the config leaves out (``data_dir`` of an image folder), named with its
+    section: jsonargparse says so only deep in its chain of errors."""
+    import re
+
+    while error is not None:
+        m = re.search(r"given class_path '([^']+)':\s+the following arguments are required: ([\w, ]+)", str(error))
+        if m:
+            section = "data" if ".datamodules." in m.group(1) else "model"
+            names = [n.strip() for n in m.group(2).split(",")]
+            return (
+                f"{', '.join(f'{section}.{n}' for n in names)}: required by {m.group(1)} and not set: give "
+                + " and ".join(
+                    f"--{section}.init_args.{n} (or {n}: in the config's {section}.init_args)" for n in names
+                )
+            )
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def condense_parser_error(message: str) -> str:
@@ -421,7 +460,8 @@ def run_cli(
         if os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
         command = f"{prog} {sub}" if sub else prog
-        sys.stderr.write(f"{command}: error: {condense_parser_error(str(e))}\n  ({command} --help lists the options)\n")
+        text = yaml_error(argv) or missing_argument(e) or condense_parser_error(str(e))
+        sys.stderr.write(f"{command}: error: {text}\n  ({command} --help lists the options)\n")
         sys.exit(2)
     except Exception as e:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -433,6 +473,9 @@ def run_cli(
             raise
         command = f"{prog} {sub}" if sub else prog
         text = " ".join(str(cause).split())  # Lightning's messages span lines
+        if isinstance(cause, MisconfigurationException):  # the Trainer's: say where it comes from
+            hint = "; this machine has no GPU: use trainer.accelerator cpu or auto" if "gpu" in text.lower() else ""
+            text = f"trainer: {text}{hint}"
         sys.stderr.write(f"{command}: error: {text}\n  (MOCO_LIGHTNING_DEBUG=1 shows the traceback)\n")
         sys.exit(2)
 

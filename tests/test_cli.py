@@ -312,3 +312,97 @@ def test_final_metrics_say_when_a_knn_number_was_measured(seeded):
     knn = next(line for line in table if "val/knn_acc1" in line)
     assert knn.endswith("(step 0: before training)")
     assert not next(line for line in table if "train/loss" in line).endswith(")")
+
+
+BAD_PRETRAINING = [  # (arguments after the config, what the one line says)
+    (["--trainer.max_steps", "-5"], "trainer: `max_steps` must be a non-negative integer"),
+    (["--trainer.devices", "0"], "trainer: `Trainer(devices='0')` value is not a valid input"),
+    (["--trainer.accelerator", "gpu"], "this machine has no GPU: use trainer.accelerator cpu or auto"),
+]
+
+
+@pytest.mark.parametrize("args, line", BAD_PRETRAINING, ids=["max_steps", "devices", "gpu"])
+def test_bad_trainer_settings_are_one_line_naming_the_trainer(args, line, tmp_path, monkeypatch, capsys):
+    import torch
+
+    if args[-1] == "gpu" and torch.cuda.is_available():
+        args, line = ["--trainer.accelerator", "tpu"], "trainer: "  # a machine with a GPU: another missing device
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG)
+    assert cli_main("fit", "--config", "cfg.yaml", *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("moco-lightning fit: error: ") and line in err[0], err
+
+
+def test_a_missing_data_dir_and_a_malformed_config_say_which_and_where(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder.yaml").write_text("data:\n  class_path: moco_lightning.datamodules.ImageFolderDataModule\n")
+    assert cli_main("fit", "--config", "folder.yaml") == 2
+    assert capsys.readouterr().err.startswith(
+        "moco-lightning fit: error: data.data_dir: required by moco_lightning.datamodules.ImageFolderDataModule and "
+        "not set: give --data.init_args.data_dir"
+    )
+    (tmp_path / "bad.yaml").write_text("model:\n  queue_size: [1, 2\n  dim: 3\n")
+    assert cli_main("fit", "--config", "bad.yaml") == 2
+    assert capsys.readouterr().err.startswith("moco-lightning fit: error: --config bad.yaml: not valid YAML at line 3")
+
+
+FIXTURE = ROOT / "tests" / "fixtures" / "format2" / "MoCo.ckpt"  # a grayscale (1-channel) MoCo checkpoint
+
+
+def image_folder(root: Path, classes: tuple, mode: str) -> Path:
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for c in classes:
+            (root / split / c).mkdir(parents=True)
+            for i in range(3):
+                Image.new(mode, (12, 12), color=(40 * i if mode == "L" else (40 * i, 9, 200))).save(
+                    root / split / c / f"{i}.png"
+                )
+    return root
+
+
+@pytest.mark.parametrize(
+    "case, args, line",
+    [
+        ("views", ["--data.init_args.pretrain", "true"], "set data.init_args.pretrain false"),
+        ("classes", ["--model.num_classes", "5"], "model.num_classes=5, but the datamodule has 10 classes"),
+        ("one_class", [], "the datamodule has 1 class(es): a classifier needs at least 2 labelled classes"),
+        ("rgb", [], "the backbone takes 1-channel images, the datamodule gives 3-channel ones"),
+        ("test", [], "test: there is no test step"),
+        ("predict", [], "predict: for features, export the backbone"),
+    ],
+)
+def test_linear_eval_bad_inputs_are_one_line(case, args, line, tmp_path, monkeypatch, capsys):
+    from moco_lightning.cli import run_cli
+    from moco_lightning.linear_eval import LinearClassifier
+
+    monkeypatch.chdir(tmp_path)
+    sub = case if case in ("test", "predict") else "fit"
+    command = [sub, "--config", str(ROOT / "configs" / "low_label.yaml"), "--model.ckpt_path", str(FIXTURE), *args]
+    if case in ("one_class", "rgb"):
+        folder = image_folder(
+            tmp_path / "images", ("a",) if case == "one_class" else ("a", "b"), "L" if case == "one_class" else "RGB"
+        )
+        channels = 1 if case == "one_class" else 3
+        command += ["--data", "moco_lightning.datamodules.ImageFolderDataModule", "--data.init_args.data_dir",
+                    str(folder), "--data.init_args.image_size", "28", "--data.init_args.in_channels", str(channels),
+                    "--data.init_args.pretrain", "false", "--data.init_args.num_workers", "0",
+                    "--model.label_fraction", "null", "--data.init_args.batch_size", "2"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(LinearClassifier, [*command, "--trainer.max_steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 2 and "Traceback" not in "\n".join(err), err
+    assert err[0].startswith(f"python -m moco_lightning.linear_eval {sub}: error: ") and line in err[0], err
+
+
+def test_export_to_a_device_and_load_backbone_of_a_directory_are_one_line(tmp_path, capsys):
+    from moco_lightning import load_backbone
+    from moco_lightning.errors import ConfigError
+
+    for out in ("/dev/null", "/dev/full"):
+        assert cli_main("export", "--ckpt", str(FIXTURE), "--out", out) == 2
+        assert f"--out {out} is not a regular file (a device or a pipe): give a file name" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path))} is a directory: give the checkpoint file"):
+        load_backbone(tmp_path)
