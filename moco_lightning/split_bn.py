@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._lightning import uses_sync_batchnorm
 from .errors import ConfigError
 
 
@@ -133,7 +134,7 @@ def shuffle_mode(requested: str, backbone: nn.Module, trainer: Any) -> str:
         raise ConfigError(
             "MoCo: shuffle_bn='ddp' needs a distributed run (world size > 1); use 'split' or 'auto' on one device"
         )
-    if mode != "off" and getattr(trainer.strategy, "_layer_sync", None) is not None:
+    if mode != "off" and uses_sync_batchnorm(trainer):
         warnings.warn(
             "MoCo: sync_batchnorm=True computes BN statistics over the global batch, which defeats "
             f"shuffle_bn={mode!r} for MoCo v1/v2; turn one of them off",

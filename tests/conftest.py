@@ -59,6 +59,9 @@ def tiny_moco(cls=None, **kwargs):
     return cls(**args)
 
 
+FIXTURE_CKPT = os.path.join(os.path.dirname(__file__), "fixtures", "format2", "MoCo.ckpt")  # tiny, 1-channel, 28 px
+
+
 def tiny_data(**kwargs):
     from moco_lightning.datamodules import FashionMNISTDataModule
 

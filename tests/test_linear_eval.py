@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, LightningDataModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from moco_lightning.errors import ConfigError
 from moco_lightning.linear_eval import LinearClassifier, main
 
 from callback_toys import trainer
@@ -366,6 +367,40 @@ def test_from_scratch_rebuilds_the_checkpoints_architecture_with_random_weights(
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
     assert torch.equal(a["conv1.weight"], moco.backbone.state_dict()["conv1.weight"])
     assert not torch.equal(b["conv1.weight"], a["conv1.weight"])
+
+
+def test_low_label_options_do_what_they_say_or_say_why_not(seeded):
+    """From scratch the whole network trains at lr (backbone_lr is for a pretrained backbone: a warning says it is
+    not used), a frozen backbone ignores backbone_lr with a warning, from_scratch with finetune false is refused, and
+    hparams record what the run does."""
+    from conftest import FIXTURE_CKPT, cpu_trainer
+
+    with pytest.warns(
+        UserWarning, match="backbone_lr=0.01 is not used: from scratch the whole network trains at lr=0.05"
+    ):
+        scratch = LinearClassifier(ckpt_path=FIXTURE_CKPT, num_classes=10, from_scratch=True, lr=0.05, backbone_lr=0.01)
+    t = cpu_trainer(max_steps=1, limit_val_batches=0)
+    t.fit(scratch, datamodule=tiny_labelled_data())
+    head, body = t.optimizers[0].param_groups
+    assert head["initial_lr"] == body["initial_lr"] == 0.05 and scratch.hparams.finetune is True
+    with pytest.warns(UserWarning, match="backbone_lr=0.01 is not used: finetune is false"):
+        frozen = LinearClassifier(ckpt_path=FIXTURE_CKPT, num_classes=10, finetune=False, backbone_lr=0.01)
+    assert frozen.hparams.finetune is False and not any(p.requires_grad for p in frozen.backbone.parameters())
+    with pytest.raises(ConfigError, match="from_scratch=True trains the whole network .* finetune=False freezes"):
+        LinearClassifier(ckpt_path=FIXTURE_CKPT, num_classes=10, from_scratch=True, finetune=False)
+
+
+def test_labels_of_a_subset_missing_classes_are_refused(seeded):
+    """labels_per_class on a training subset that lacks some classes would train a 10-class head on fewer: refused,
+    naming the missing classes."""
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    from conftest import FIXTURE_CKPT, cpu_trainer
+
+    data = FashionMNISTDataModule(batch_size=4, train_subset=6, val_subset=8, pretrain=False)
+    model = LinearClassifier(ckpt_path=FIXTURE_CKPT, labels_per_class=1)
+    with pytest.raises(ConfigError, match=r"the training split holds \d of the 10 classes \(none of \["):
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, datamodule=data)
 
 
 def test_low_label_config_fine_tunes_through_the_command_line(resnet_checkpoint, tmp_path, monkeypatch):

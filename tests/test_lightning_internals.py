@@ -1,0 +1,50 @@
+"""moco_lightning._lightning touches Lightning's internals in one place; this fails when a Lightning release drops
+or renames one of them (the behaviour behind each is tested where it is used: resume, the CLI, DDP)."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+
+from moco_lightning import _lightning
+
+
+def test_the_private_names_the_library_uses_still_exist():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False, sync_batchnorm=True)
+    fit_loop = trainer.fit_loop
+    assert hasattr(fit_loop, "_combined_loader_states_to_load") and callable(fit_loop._load_combined_loader_states)
+    assert callable(fit_loop.setup_data) and fit_loop.epoch_loop.batch_progress.current.ready == 0
+    assert _lightning.uses_sync_batchnorm(trainer)  # strategy._layer_sync
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters  # noqa: F401
+    from lightning.pytorch.core.saving import _load_state
+
+    assert list(inspect.signature(_load_state).parameters)[:3] == ["cls", "checkpoint", "strict"]
+    assert callable(LightningCLI._parse_ckpt_path)
+    assert "_subcommand_parsers" in inspect.getsource(LightningCLI._add_subcommands)
+    assert lightning.__version__ >= "2.6.1"
+
+
+def test_reopen_cut_epoch_reads_the_loop_layout_lightning_writes():
+    """The checkpoint layout of a max_steps stop after 2 of 4 batches (as lightning 2.6 writes it) is re-opened;
+    an epoch that ended, or a step checkpoint already mid-epoch, is left alone."""
+
+    def loops(completed: int, ready: int, last: bool) -> dict:
+        counts = {"ready": ready, "started": ready, "processed": completed, "completed": completed}
+        return {"loops": {"fit_loop": {
+            "epoch_progress": {"total": dict(counts), "current": dict(counts)},
+            "epoch_loop.batch_progress": {"current": {"ready": 2}, "is_last_batch": last},
+        }}, "epoch": completed}  # fmt: skip
+
+    cut = loops(1, 1, last=False)
+    assert _lightning.reopen_cut_epoch(cut) and cut["epoch"] == 0
+    assert cut["loops"]["fit_loop"]["epoch_progress"]["current"] == {
+        "ready": 1,
+        "started": 1,
+        "processed": 0,
+        "completed": 0,
+    }
+    assert not _lightning.reopen_cut_epoch(loops(1, 1, last=True))  # the epoch ended
+    assert not _lightning.reopen_cut_epoch(loops(0, 1, last=False))  # a step checkpoint: already mid-epoch
