@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 import os
@@ -32,6 +33,15 @@ from torch.utils.data import DataLoader, Dataset
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: its module docstring as description and epilog, ``--threads`` and ``--seed``."""
+    first, _, rest = doc.partition("\n\n")
+    p = argparse.ArgumentParser(description=first, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
 
 
 def quiet() -> None:
@@ -77,26 +87,11 @@ def footer(t0: float) -> None:
 
 # --- configs -------------------------------------------------------------------------------------------------
 def from_config(config: str | Path, *overrides: str):
-    """(model, datamodule) of a config with CLI-style overrides (``"--model.width=0.25"``), built by the CLI itself."""
-    from lightning.pytorch import LightningDataModule
+    """(model, datamodule) of a config with CLI-style overrides (``"--model.width=0.25"``), built by the CLI itself
+    (the library's :func:`moco_lightning.cli.from_config`)."""
+    from moco_lightning.cli import from_config as build
 
-    from moco_lightning import MoCo, Pretraining
-    from moco_lightning._lightning import own_hyperparameters
-    from moco_lightning.cli import MoCoCLI
-
-    args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
-    with own_hyperparameters():
-        cli = MoCoCLI(
-            Pretraining,
-            LightningDataModule,
-            default_model=MoCo,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            run=False,
-            args=args,
-            save_config_callback=None,
-        )
-    return cli.model, cli.datamodule
+    return build(config, *overrides)
 
 
 def config_path(name: str) -> Path:
@@ -216,7 +211,7 @@ def eval_loader(
 
 def features(module: nn.Module, images: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Unnormalised features of ``module`` (eval mode, no grad) with the library's ``embed``."""
-    from moco_lightning.callbacks._utils import embed
+    from moco_lightning.callbacks import embed
 
     return embed(module, eval_loader(images, labels), torch.device("cpu"), gather=False, normalize=False)
 
@@ -351,9 +346,12 @@ def make_reference(hp, batch_size: int, total_steps: Optional[int] = None):
             )
             if not total_steps:
                 return optim
-            total = max(1, total_steps)  # a LambdaLR (not CosineAnnealingLR's recursion) that quality.py can re-plan
+            from moco_lightning.plan import StepPlan
+
+            # the library's plan, so that quality.py re-plans the reference as it re-plans the library's modules
+            self.step_plan = plan = StepPlan(max(1, total_steps), 0, [], batch_size)
             sched = torch.optim.lr_scheduler.LambdaLR(
-                optim, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+                optim, lambda s: 0.5 * (1 + math.cos(math.pi * min(plan.position(s), plan.planned) / plan.planned))
             )
             return {"optimizer": optim, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -1,7 +1,7 @@
 """The MoCo paper's ablations in miniature, on Fashion-MNIST, each run with the same step budget.
 
-    python benchmarks/ablations.py                                                # the 10 runs (~50 min on 2 cores)
-    python benchmarks/ablations.py --steps 40 --eval-subset 2000 --out /tmp/abl.png  # smoke run
+    python -m benchmarks.ablations                                                # the 10 runs (~50 min on 2 cores)
+    python -m benchmarks.ablations --steps 40 --eval-subset 2000 --out /tmp/abl.png  # smoke run
 
 He et al. (CVPR 2020, https://arxiv.org/abs/1911.05722) argue by comparison; this script repeats each comparison
 on a CPU-sized problem, every run a config override of ``configs/fashion_mnist_moco_v2.yaml`` (the MoCo v2 recipe of
@@ -21,17 +21,24 @@ cosine lr over them; evaluation as ``quality.py --split test``. Output: the tabl
 
 from __future__ import annotations
 
-import argparse
 import csv
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import config_path, evaluate, footer, from_config, header, print_table, quiet, trainer_kwargs  # noqa: E402
-from quality import Splits  # noqa: E402
+from benchmarks._common import (
+    config_path,
+    evaluate,
+    footer,
+    from_config,
+    header,
+    parser,
+    print_table,
+    quiet,
+    trainer_kwargs,
+)
+from benchmarks.quality import Splits
 
 BASE = "fashion_mnist_moco_v2"
 DEFAULT = "default: m 0.99, K 4096, split BN"
@@ -85,18 +92,12 @@ def train(overrides: list, args, n_images: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = parser(__doc__)
     p.add_argument("--steps", type=int, default=1400, help="optimizer steps per run (234 steps = 1 epoch at batch 256)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), metavar="RUN")
     p.add_argument("--eval-subset", type=int, default=None, help="smoke runs: bank N train images, N // 4 test queries")
     p.add_argument("--probe-epochs", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="keep the runs already in the CSV and run only the others")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "ablations.png"))
     args = p.parse_args(argv)
     quiet()

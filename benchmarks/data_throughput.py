@@ -1,7 +1,7 @@
 """How fast can the data side feed MoCo, per data path?
 
-    python benchmarks/data_throughput.py                                   # both parts (~10 min on 2 cores)
-    python benchmarks/data_throughput.py --folder-images 0                 # Fashion-MNIST only
+    python -m benchmarks.data_throughput                                   # both parts (~10 min on 2 cores)
+    python -m benchmarks.data_throughput --folder-images 0                 # Fashion-MNIST only
 
 Part 1, Fashion-MNIST at the settings of ``configs/fashion_mnist_moco_v2.yaml`` (28 px, batch 256): views/s of the
 per-image PIL path (lightly's ``MoCoV2Transform`` in a DataLoader with ``--workers``), of :class:`BatchViews` (what
@@ -21,10 +21,8 @@ spent waiting for the next batch.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +32,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import config_path, footer, from_config, header, quiet, trainer_kwargs  # noqa: E402
+from benchmarks._common import config_path, footer, from_config, header, parser, quiet, trainer_kwargs
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "motorcycle_right.png",
           "hubble_deep_field.jpg", "retina.jpg", "ihc.png", "camera.png", "moon.png", "coins.png"]  # fmt: skip
@@ -56,7 +53,7 @@ def views_per_second(loader, make_views: Callable, device: torch.device, epochs:
 
 # --- part 1: Fashion-MNIST -------------------------------------------------------------------------------------
 def part1(args, device: torch.device) -> None:
-    from _common import reference_loader
+    from benchmarks._common import reference_loader
 
     _, dm = from_config(config_path("fashion_mnist_moco_v2"), f"--data.init_args.train_subset={args.batches * 256}")
     dm.setup()
@@ -222,11 +219,7 @@ def timed_steps(args, root: Path, overrides) -> tuple[float, float]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = parser(__doc__)
     p.add_argument("--batches", type=int, default=8, help="Fashion-MNIST batches per views/s measurement")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--kornia", type=int, default=5, help="interleaved runs of kornia vs BatchViews (0: skip)")
@@ -236,7 +229,6 @@ def main(argv=None) -> None:
     p.add_argument("--dali-threads", type=int, default=2, help="DALI's CPU threads (0: no DALI)")
     p.add_argument("--train-steps", type=int, default=3, help="timed training steps per path in part 2 (0: skip)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     quiet()
     t0 = time.perf_counter()

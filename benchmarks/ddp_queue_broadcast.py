@@ -6,16 +6,13 @@ missing gather). MoCo lists the queue in ``_ddp_params_and_buffers_to_ignore``; 
 forward+backward of the same module with the queue excluded (ours) and included (the default), 2 processes,
 gloo on this CPU, and prints the ratio.
 
-    python benchmarks/ddp_queue_broadcast.py [--queue-size 65536] [--steps 20]
+    python -m benchmarks.ddp_queue_broadcast [--queue-size 65536] [--steps 20]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -23,8 +20,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def worker(rank: int, port: int, queue_size: int, steps: int, out: "mp.Queue") -> None:
@@ -64,10 +59,12 @@ def worker(rank: int, port: int, queue_size: int, steps: int, out: "mp.Queue") -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--queue-size", type=int, default=65536)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
+    from benchmarks._common import parser
+
+    p = parser(__doc__)
+    p.add_argument("--queue-size", type=int, default=65536)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,7 +1,7 @@
 """A prepared, self-contained check of moco-lightning on a CUDA machine: a few minutes, no dataset download.
 
-    python benchmarks/gpu_check.py                  # on the GPU(s) of this node, in --minutes (default 4)
-    python benchmarks/gpu_check.py --device cpu     # the same code at toy sizes (run by the tests)
+    python -m benchmarks.gpu_check                  # on the GPU(s) of this node, in --minutes (default 4)
+    python -m benchmarks.gpu_check --device cpu     # the same code at toy sizes (run by the tests)
 
 What only a GPU can show, each printed as one line (``check: result``) as it finishes, then one summary table
 (figure, value, what it means, pass / fail where there is a threshold) to paste into the README:
@@ -35,7 +35,6 @@ start-up are not bounded: they are what they are, and are printed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -50,8 +49,6 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from moco_lightning.datamodules import InMemoryDataModule, view_settings
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
     "toy": dict(image=16, batch=16, images=128, steps=4, queue=256, width=0.25, bank=4096, bank_dim=64,
@@ -403,8 +400,9 @@ def _write_jpeg(job) -> None:
 
 def check_throughput(device: str, size: dict, deadline: float) -> Result:
     """Images/s of the encoder work, the fit step, the data paths and fit with each (module docstring)."""
-    from _common import config_path, from_config
     from step_overhead import SameBatch, bare_step
+
+    from benchmarks._common import config_path, from_config
 
     out, n, steps, warm = {}, size["big_batch"], size["bench_steps"], size["warmup"]
     share = (deadline - time.time()) / 6  # six measurements
@@ -660,14 +658,16 @@ def summary(rows: List[Row]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from benchmarks._common import parser
+
+    p = parser(__doc__)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--size", choices=list(SIZES), default=None, help="default: full on CUDA, toy on the CPU")
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     p.add_argument("--minutes", type=float, default=4.0, help="time budget of the whole check (default 4)")
     args = p.parse_args(argv)
     size = SIZES[args.size or ("full" if args.device == "cuda" else "toy")]
-    from _common import quiet
+    from benchmarks._common import quiet
 
     quiet()
     name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if args.device == "cuda" else "CPU"

@@ -1,8 +1,8 @@
 """The seeds' comparison measured: MoCo, SimCLR, BYOL and SwAV at equal backbone, data and training wall time, and
 MoCo's memory claim (a queued negative costs a 128-float vector, SimCLR's an image's activations).
 
-    python benchmarks/methods.py --minutes 10 --out benchmarks/results/methods.png        # about 55 minutes
-    python benchmarks/methods.py --minutes 0.1 --eval-subset 2000 --probe-epochs 2 --negatives 64 128 \\
+    python -m benchmarks.methods --minutes 10 --out benchmarks/results/methods.png        # about 55 minutes
+    python -m benchmarks.methods --minutes 0.1 --eval-subset 2000 --probe-epochs 2 --negatives 64 128 \\
         --out /tmp/m.png                                                                    # a smoke run
 
 1. **Quality per method**: each method's Fashion-MNIST config (``configs/quickstart.yaml`` for MoCo,
@@ -23,17 +23,14 @@ The seeds' qualitative table (dictionary, hardware need) is printed next to what
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import config_path, footer, from_config, header, print_table, quiet  # noqa: E402
-from quality import Splits, System, add_common_args, baselines, run_system, write_results  # noqa: E402
+from benchmarks._common import config_path, footer, from_config, header, parser, print_table, quiet
+from benchmarks.quality import Splits, System, add_common_args, baselines, run_system, write_results
 
 #: each method's Fashion-MNIST config
 METHODS = {
@@ -217,11 +214,7 @@ def verdicts(results: dict, own: dict, sweep: list[dict]) -> list[list[str]]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = parser(__doc__)
     p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget per method")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--negatives", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])

@@ -1,9 +1,9 @@
 """Representation quality for a fixed training wall-clock budget, for configs of ``configs/`` and the reference.
 
-    python benchmarks/quality.py --qe 16 --systems fashion_mnist_long quickstart           # 16 quickstart epochs each
-    python benchmarks/quality.py --minutes 10 --systems quickstart fashion_mnist_10min reference
-    python benchmarks/quality.py --minutes 30 --systems fashion_mnist_30min --out benchmarks/results/quality_30min.png
-    python benchmarks/quality.py --minutes 0.2 --systems quickstart reference --eval-subset 2000 --probe-epochs 2 \\
+    python -m benchmarks.quality --qe 16 --systems fashion_mnist_long quickstart           # 16 quickstart epochs each
+    python -m benchmarks.quality --minutes 10 --systems quickstart fashion_mnist_10min reference
+    python -m benchmarks.quality --minutes 30 --systems fashion_mnist_30min --out benchmarks/results/quality_30min.png
+    python -m benchmarks.quality --minutes 0.2 --systems quickstart reference --eval-subset 2000 --probe-epochs 2 \\
         --out /tmp/q.png                                                                      # a smoke run, minutes
 
 A system is a config name (``configs/<name>.yaml``, model and data as the CLI builds them, ``--override``s added) or
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -43,8 +42,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from benchmarks._common import (
     StepClock,
     config_path,
     evaluate,
@@ -55,6 +53,7 @@ from _common import (  # noqa: E402
     header,
     knn_top1,
     make_reference,
+    parser,
     print_table,
     quiet,
     reference_loader,
@@ -117,7 +116,7 @@ class System:
         import lightning.pytorch as pl
 
         model, data = self.build(total_steps or steps)
-        trainer = pl.Trainer(**trainer_kwargs(steps, callbacks))
+        trainer = pl.Trainer(**trainer_kwargs(steps, callbacks, precision=getattr(self.args, "precision", "32-true")))
         trainer.fit(model, **data)
         save_dir = getattr(self.args, "save_checkpoints", None)
         if save_dir and total_steps:  # the budgeted run, not a timing run: its final weights, for low_label.py
@@ -131,17 +130,6 @@ class System:
         clock = StepClock()
         self.fit(warmup + steps, [clock])
         return clock.seconds(warmup, steps) / steps
-
-
-def rescale_schedule(trainer, step: int, old_total: int, new_total: int) -> None:
-    """Stretch what is left of every ``LambdaLR`` of the run: from ``step``, ``old_total − step`` steps become
-    ``new_total − step`` (the lr is continuous at ``step`` and reaches the old end value at ``new_total``)."""
-    ratio = (old_total - step) / max(1, new_total - step)
-    for config in trainer.lr_scheduler_configs:
-        sched = config.scheduler
-        if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
-            raise TypeError(f"re-planning needs a LambdaLR schedule, got {type(sched).__name__}")
-        sched.lr_lambdas = [(lambda t, f=f: f(t if t <= step else step + (t - step) * ratio)) for f in sched.lr_lambdas]
 
 
 def budget_callback(
@@ -173,11 +161,12 @@ def budget_callback(
             )
 
         def replan(self, trainer) -> None:
+            from moco_lightning.plan import change_length
+
             step, old = trainer.global_step, trainer.max_steps
             new = max(step + 1, int(budget_s * step / self.train_s))
-            if new != old:
-                rescale_schedule(trainer, step, old, new)
-                trainer.fit_loop.epoch_loop.max_steps = new
+            if new != old:  # the lr and momentum schedules stretch over the steps the budget affords
+                change_length(trainer.lightning_module, new)
             self.replanned = (step, old, new)
             print(
                 f"    [{name}] re-plan at step {step}: {self.train_s / step:.3f} s/step in the run -> {new} steps "
@@ -363,16 +352,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replan-at", type=float, default=0.1, help="re-plan the steps once, after this fraction (0: never)"
     )
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = parser(__doc__)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--qe", type=float, default=None, help="budget per system in quickstart-epoch equivalents")
     budget.add_argument("--minutes", type=float, default=None, help="training wall-clock budget per system (10)")

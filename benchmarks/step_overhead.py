@@ -1,8 +1,8 @@
 """What does a MoCo training step cost on top of the encoder work it contains?
 
-    python benchmarks/step_overhead.py                        # sections 1-3 (~5 min on 2 cores)
-    python benchmarks/step_overhead.py --sections 1 --repeats 7
-    python benchmarks/step_overhead.py --config quickstart --override=--model.width=1.0
+    python -m benchmarks.step_overhead                        # sections 1-3 (~5 min on 2 cores)
+    python -m benchmarks.step_overhead --sections 1 --repeats 7
+    python -m benchmarks.step_overhead --config quickstart --override=--model.width=1.0
 
 The model is a config's (default ``configs/fashion_mnist_moco_v2.yaml``: ResNet-18 at half width, K 4096, split BN).
 
@@ -22,11 +22,8 @@ The model is a config's (default ``configs/fashion_mnist_moco_v2.yaml``: ResNet-
 
 from __future__ import annotations
 
-import argparse
 import copy
-import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
@@ -34,14 +31,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from benchmarks._common import (
     config_path,
     footer,
     from_config,
     header,
     interleaved,
     paired_ratio,
+    parser,
     print_table,
     quiet,
     spread,
@@ -202,18 +199,13 @@ def section3(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = parser(__doc__)
     p.add_argument("--config", default="fashion_mnist_moco_v2")
     p.add_argument("--override", nargs="*", default=[], help="CLI overrides, e.g. --override=--model.width=1.0")
     p.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=3, help="steps per measurement")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(threads=1)
     args = p.parse_args(argv)
     quiet()
     t0 = time.perf_counter()

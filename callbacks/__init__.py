@@ -8,6 +8,7 @@
 Offline linear evaluation (the paper's protocol) is :class:`moco_lightning.linear_eval.LinearClassifier`.
 """
 
+from ._utils import embed
 from .diagnostics import RepresentationDiagnostics, alignment, mean_queue_age, uniformity
 from .knn import KNNMonitor, knn_accuracy, knn_counts, knn_scores
 from .linear_probe import LinearProbe, probe_accuracy
@@ -20,6 +21,7 @@ __all__ = [
     "RepresentationDiagnostics",
     "ViewGrid",
     "alignment",
+    "embed",
     "knn_accuracy",
     "knn_counts",
     "knn_scores",

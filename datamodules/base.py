@@ -336,6 +336,8 @@ class InMemoryDataModule(TwoViewDataModule):
         local_views, local_size, local_scale: multi-crop (SwAV §3.2): small extra views for the query encoder
             (:class:`BatchViews`); ``local_size`` None: 96/224 of ``image_size``.
         train_subset, val_subset: the first N images of each split (None: all).
+        holdout: the last N training images become the held-out split in place of the dataset's own (its test
+            split): for selecting recipes and hyper-parameters without looking at the test split (None: off).
         supervised_min_scale: smallest crop area of the supervised training views (``pretrain=False``: linear
             evaluation, fine-tuning, training from scratch): 0.08 is the linear protocol's; 1.0 is flips only.
     """
@@ -354,8 +356,9 @@ class InMemoryDataModule(TwoViewDataModule):
         train_subset: Optional[int] = None,
         val_subset: Optional[int] = None,
         supervised_min_scale: float = 0.08,
+        holdout: Optional[int] = None,
     ) -> None:
-        for name, value in (("train_subset", train_subset), ("val_subset", val_subset)):
+        for name, value in (("train_subset", train_subset), ("val_subset", val_subset), ("holdout", holdout)):
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be None (the whole split) or >= 1, got {value}")
         settings = settings.with_local_views(local_views, local_size, local_scale)
@@ -366,7 +369,7 @@ class InMemoryDataModule(TwoViewDataModule):
         )
         super().__init__(batch_size, image_size, num_workers, seed, pretrain, views)
         self.view_settings = settings
-        self.train_subset, self.val_subset = train_subset, val_subset
+        self.train_subset, self.val_subset, self.holdout = train_subset, val_subset, holdout
         self._splits: dict[str, ImageTensorDataset] = {}
 
     # --- what a subclass provides -----------------------------------------------------------
@@ -418,10 +421,19 @@ class InMemoryDataModule(TwoViewDataModule):
 
     # --- helpers ----------------------------------------------------------------------------
     def _load_splits(self) -> None:
-        """Loads "train" and "val" once each (cut to train_subset / val_subset) into ``self._splits``."""
+        """Loads "train" and "val" once each (cut to train_subset / val_subset) into ``self._splits``; with
+        ``holdout`` the held-out split is the end of the training split, never the test split."""
+        if self.holdout and not self._splits:
+            images, targets = self.load_split("train")
+            if self.holdout >= len(targets):
+                raise ConfigError(
+                    f"holdout={self.holdout} takes every one of the {len(targets)} training images: hold out fewer"
+                )
+            cut = len(targets) - self.holdout
+            self._held_out = {"train": (images[:cut], targets[:cut]), "val": (images[cut:], targets[cut:])}
         for split, limit in (("train", self.train_subset), ("val", self.val_subset)):
             if split not in self._splits:
-                images, targets = self.load_split(split)
+                images, targets = self._held_out[split] if self.holdout else self.load_split(split)
                 if limit is not None:
                     images, targets = images[:limit], targets[:limit]
                 self._splits[split] = ImageTensorDataset(images, targets.long())

@@ -8,6 +8,7 @@ from .byol import BYOL  # noqa: E402
 from .dictionaries import EndToEnd, MemoryBankMoCo  # noqa: E402
 from .export import load_backbone  # noqa: E402
 from .moco import MoCo  # noqa: E402
+from .precision import auto_precision  # noqa: E402
 from .simclr import SimCLR  # noqa: E402
 from .swav import SwAV  # noqa: E402
 from .v3 import MoCoV3  # noqa: E402
@@ -22,5 +23,6 @@ __all__ = [
     "SimCLR",
     "SwAV",
     "__version__",
+    "auto_precision",
     "load_backbone",
 ]

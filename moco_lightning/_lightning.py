@@ -7,7 +7,8 @@ attribute of Lightning.
 - ``fit_loop._combined_loader_states_to_load`` / ``_load_combined_loader_states()``: hand a resumed run's training
   loaders their mid-epoch position (Lightning skips it when the data was set up before the restore).
 - ``fit_loop.setup_data()``: load the training loader early, to scale the lr by its batch size.
-- ``fit_loop.epoch_loop.batch_progress``: where a resumed run is inside its epoch.
+- ``fit_loop.epoch_loop.batch_progress``: where a resumed run is inside its epoch; ``epoch_loop.max_steps``: a
+  running fit's new length (:func:`moco_lightning.plan.change_length`).
 - the checkpoint's ``loops`` entry: re-open an epoch that a ``max_steps`` stop cut short (below).
 - ``hparams_mixin._given_hyperparameters``: the arguments LightningCLI hands a module it builds.
 - ``strategy._layer_sync``: whether ``sync_batchnorm`` is on.
@@ -47,6 +48,11 @@ def ensure_train_dataloader(trainer: Any) -> Any:
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
     return trainer.train_dataloader
+
+
+def set_max_steps(trainer: Any, total: int) -> None:
+    """A running fit stops at ``total`` optimizer steps (``Trainer.max_steps`` is read-only once fitting)."""
+    trainer.fit_loop.epoch_loop.max_steps = total
 
 
 def batches_done_in_epoch(trainer: Any) -> int:

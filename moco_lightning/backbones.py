@@ -7,7 +7,7 @@ convolution and no max-pool, for ResNets), and grayscale images a one-channel fi
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 import torchvision
@@ -55,12 +55,32 @@ def build_from_spec(spec: Mapping) -> nn.Module:
     return found(**dict(spec.get("init_args") or {}))
 
 
+#: the stems of a ResNet (its first convolution and max-pool): what a 28-px image becomes before the first stage
+STEMS = {
+    "imagenet": "torchvision's 7x7 convolution at stride 2 and a 3x3 max-pool: 7x7 maps at 28 px (1x1 at the end)",
+    "cifar": "the official MoCo CIFAR demo's 3x3 convolution at stride 1, no max-pool: 28x28 maps (~16x the compute)",
+    "cifar_stride2": "a 3x3 convolution at stride 2, no max-pool: 14x14 maps at 28 px (~4x imagenet's compute)",
+}
+
+
+def resolve_stem(stem: Optional[str], cifar_stem: bool = False) -> str:
+    """The stem to build: ``stem`` if given, else ``"cifar"`` for the older ``cifar_stem=True``, else ``"imagenet"``."""
+    if stem is None:
+        return "cifar" if cifar_stem else "imagenet"
+    if stem not in STEMS:
+        raise ConfigError(f"stem={stem!r} is not allowed; stem must be one of {', '.join(map(repr, STEMS))}")
+    if cifar_stem and stem != "cifar":
+        raise ConfigError(f"cifar_stem=True and stem={stem!r} disagree: set stem alone (cifar_stem is its old name)")
+    return stem
+
+
 def build_backbone(
     backbone: Union[str, nn.Module, Mapping],
     cifar_stem: bool = False,
     in_channels: int = 3,
     image_size: int = 224,
     width: float = 1.0,
+    stem: Optional[str] = None,
 ) -> Tuple[nn.Module, int]:
     """Returns ``(feature_extractor, feature_dim)``.
 
@@ -71,20 +91,22 @@ def build_backbone(
             random weights, no classifier, ``in_chans`` and, for models that take it, ``img_size`` set; extra
             ``[timm]``); or an ``nn.Module`` mapping images to features (N, D), or its ``{class_path, init_args}``
             spec (:func:`build_from_spec`).
-        cifar_stem: ResNets only: 3x3 stride-1 first convolution, no max-pool (for 28-64 px images).
+        cifar_stem: ResNets only: the ``"cifar"`` stem (its older name; ``stem`` says it now).
         in_channels: input channels; the first convolution is rebuilt when this is not 3.
         image_size: side of the dummy input used to find D when it cannot be read off the model.
         width: ResNets only: every stage's channels times ``width`` (0.5: 32-64-128-256 for ResNet-18),
             for small data and small machines.
+        stem: ResNets (torchvision's and timm's): one of :data:`STEMS` (None: ``cifar_stem`` decides).
     """
+    stem = resolve_stem(stem, cifar_stem)
     if is_backbone_spec(backbone):
         backbone = build_from_spec(backbone)
     if isinstance(backbone, nn.Module):
         return backbone, _probe_dim(backbone, in_channels, image_size)
     if isinstance(backbone, str) and backbone.startswith("timm:"):
         model = _timm_model(backbone[len("timm:") :], in_channels, image_size, width)
-        if cifar_stem:
-            _cifar_stem(model, in_channels, backbone)
+        if stem != "imagenet":
+            _small_stem(model, in_channels, backbone, stride=1 if stem == "cifar" else 2)
         return model, _probe_dim(model, in_channels, image_size)
     names = torchvision_models()
     if backbone not in names:
@@ -98,8 +120,8 @@ def build_backbone(
         model = _narrow_resnet(backbone, width)
     else:
         model = torchvision.models.get_model(backbone, weights=None, **kwargs)
-    if cifar_stem:
-        _cifar_stem(model, in_channels, backbone)
+    if stem != "imagenet":
+        _small_stem(model, in_channels, backbone, stride=1 if stem == "cifar" else 2)
     elif in_channels != 3:
         _replace_first_conv(model, in_channels)
     dim = None
@@ -130,21 +152,22 @@ def zero_init_residuals(model: nn.Module) -> int:
     return blocks
 
 
-def _cifar_stem(model: nn.Module, in_channels: int, name: str) -> None:
-    """The official CIFAR demo's stem: a 3x3 stride-1 first convolution and no max-pool. A deep stem (timm's
-    ``resnet*d``/``*t``: three 3x3 convolutions) keeps its convolutions, the first at stride 1."""
+def _small_stem(model: nn.Module, in_channels: int, name: str, stride: int) -> None:
+    """A stem for small images: a 3x3 first convolution at ``stride`` (1: the official CIFAR demo's) and no max-pool.
+    A deep stem (timm's ``resnet*d``/``*t``: three 3x3 convolutions) keeps its convolutions, the first at ``stride``."""
     conv1 = getattr(model, "conv1", None)
     first = (
         next((m for m in conv1.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(conv1, nn.Module) else None
     )
     if first is None or not hasattr(model, "maxpool"):
         raise ConfigError(
-            f"cifar_stem=True applies to ResNet-style backbones (a conv1 stem + maxpool); {name!r} has none"
+            f"a small-image stem (stem / cifar_stem) applies to ResNet-style backbones (a conv1 stem + maxpool); "
+            f"{name!r} has none"
         )
     if isinstance(conv1, nn.Conv2d):
-        model.conv1 = nn.Conv2d(in_channels, conv1.out_channels, 3, 1, 1, bias=False)
+        model.conv1 = nn.Conv2d(in_channels, conv1.out_channels, 3, stride, 1, bias=False)
     else:
-        first.stride = (1, 1)
+        first.stride = (stride, stride)
     model.maxpool = nn.Identity()
 
 

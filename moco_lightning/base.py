@@ -25,12 +25,14 @@ from .errors import check_arguments
 from .nan_guard import NanGuard
 
 
-class Pretraining(LightningModule):
+class Pretraining(ckpt.SafeLoading, LightningModule):
     """Base of the pretraining modules.
 
     Args:
         backbone: torchvision model name, ``"timm:<name>"``, or an ``nn.Module`` returning features (N, D).
-        cifar_stem: 3x3 stride-1 stem without max-pool for small images (ResNets).
+        stem: ResNets: ``"imagenet"`` (torchvision's), ``"cifar"`` (3x3 stride 1, no max-pool) or ``"cifar_stride2"``
+            (3x3 stride 2, no max-pool: 14x14 maps at 28 px); :data:`moco_lightning.backbones.STEMS`. ``cifar_stem``:
+            its older spelling of ``"cifar"`` (None: ``cifar_stem`` decides).
         in_channels: image channels (1 for grayscale).
         image_size: input side, used only to find the feature size of models that need it.
         width: torchvision ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).
@@ -52,7 +54,7 @@ class Pretraining(LightningModule):
     """
 
     #: settings that change the shape of the weights: a checkpoint must agree on them (subclasses add theirs)
-    STRUCTURAL: tuple = ("backbone", "cifar_stem", "in_channels", "width")
+    STRUCTURAL: tuple = ("backbone", "cifar_stem", "stem", "in_channels", "width")
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class Pretraining(LightningModule):
         on_nan: Literal["raise", "skip"] = "raise",
         compile: bool = False,
         compile_backend: str = "inductor",
+        stem: Optional[Literal["imagenet", "cifar", "cifar_stride2"]] = None,
     ) -> None:
         super().__init__()
         check_arguments(type(self).__name__, Pretraining.__init__, locals())
@@ -80,7 +83,7 @@ class Pretraining(LightningModule):
         # from a class_path (its spec rebuilds it), not when a Python caller passed one
         described = is_backbone_spec(_lightning.given_hyperparameters().get("backbone"))
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) and not described else None)
-        self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
+        self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width, stem)
         self.nan_guard = NanGuard(on_nan, type(self).__name__)
         self.step_plan: Optional[plan.StepPlan] = None  # made by configure_optimizers
         self._resume: dict = {}  # what the checkpoint being restored holds for the run: RNG states, step plan
@@ -229,18 +232,3 @@ class Pretraining(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._resume = ckpt.restore_state(self, checkpoint)
-
-    @classmethod
-    def load_from_checkpoint(  # type: ignore[override]
-        cls,
-        checkpoint_path: Any,
-        map_location: Any = None,
-        strict: Optional[bool] = None,
-        weights_only: Optional[bool] = None,
-        **kwargs: Any,
-    ) -> "Pretraining":
-        """The module of a checkpoint, read with ``weights_only=True`` (``checkpoint.read_checkpoint``); ``kwargs``
-        replace saved hyper-parameters (``backbone=`` the module of a run that passed one).
-        ``weights_only`` is accepted for Lightning's signature and ignored: a file that needs pickle loads only with
-        ``MOCO_LIGHTNING_ALLOW_PICKLE=1``."""
-        return ckpt.load_module(cls, checkpoint_path, map_location, strict, **kwargs)

@@ -295,6 +295,25 @@ def load_module(
     return module_from_checkpoint(cls, checkpoint, strict, **kwargs)
 
 
+class SafeLoading:
+    """``load_from_checkpoint`` through :func:`read_checkpoint` (mixed in before ``LightningModule``)."""
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: Any,
+        map_location: Any = None,
+        strict: Optional[bool] = None,
+        weights_only: Optional[bool] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The module of a checkpoint, read with ``weights_only=True`` (:func:`read_checkpoint`); ``kwargs`` replace
+        saved arguments (``backbone=`` the module of a run that passed one). ``weights_only`` is accepted for
+        Lightning's signature and ignored: a file that needs pickle loads only with ``MOCO_LIGHTNING_ALLOW_PICKLE=1``.
+        """
+        return load_module(cls, checkpoint_path, map_location, strict, **kwargs)
+
+
 def _is_subclass_path(path: str, cls: type) -> bool:
     """``path`` names an already imported subclass of ``cls`` (nothing is imported for a checkpoint's say-so)."""
     import sys

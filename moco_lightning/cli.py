@@ -38,6 +38,7 @@ from .base import Pretraining
 from .checkpoint import read_checkpoint, upgrade
 from .errors import ConfigError
 from .moco import MoCo
+from .precision import AutoPrecisionTrainer
 
 
 class MoCoCLI(CLIHooks, LightningCLI):
@@ -146,6 +147,32 @@ class MoCoCLI(CLIHooks, LightningCLI):
             )
         if metrics and log_dir and self.trainer.logger is not None:
             print(f"TensorBoard: tensorboard --logdir {log_dir}")
+
+
+def from_config(config: Any, *overrides: str) -> tuple[Any, Any]:
+    """``(model, datamodule)`` of a config of ``moco-lightning fit``, with command-line style overrides
+    (``"--model.width=0.25"``), built by the same CLI and not run: a config in Python code, without the Trainer's
+    logger and callbacks."""
+    from ._lightning import own_hyperparameters
+
+    args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
+    with own_hyperparameters():  # also inside another module being built by a CLI
+        cli = make_cli(Pretraining, args, MoCo, run=False, save_config_callback=None)
+    return cli.model, cli.datamodule
+
+
+def make_cli(model_class: type, args: Any, default_model: Optional[type], **kwargs: Any) -> MoCoCLI:
+    """The library's LightningCLI over any subclass of ``model_class`` and any datamodule, precision ``auto``."""
+    return MoCoCLI(
+        model_class,
+        LightningDataModule,
+        default_model=default_model,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_class=AutoPrecisionTrainer,
+        args=args,
+        **kwargs,
+    )
 
 
 def final_metrics_table(metrics: dict, trainer: Any) -> str:
@@ -314,6 +341,7 @@ DESCRIPTION = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, Sim
   moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
   moco-lightning fit --config ... --ckpt_path last              resume the newest run
   moco-lightning export --ckpt last.ckpt --out backbone.pt      the backbone as a state dict (export --help)
+  moco-lightning evaluate --ckpt last.ckpt                      kNN, linear, 1 % / 10 % labels (evaluate --help)
   python -m moco_lightning.linear_eval fit --config configs/linear_eval.yaml --model.ckpt_path last.ckpt
 """
 
@@ -422,6 +450,10 @@ def main(args: Optional[list[str]] = None) -> None:
         from .export import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["evaluate"]:
+        from .evaluate import main as evaluate_main
+
+        return evaluate_main(argv[1:])
     run_cli(Pretraining, args, default_model=MoCo)
 
 
@@ -440,12 +472,10 @@ def run_cli(
     sub = next((a for a in argv if a in SUBCOMMANDS), None)
     no_exit = {"exit_on_error": False}  # a parse error is raised to here, not printed after 60 lines of usage
     try:
-        return MoCoCLI(
+        return make_cli(
             model_class,
-            LightningDataModule,
-            default_model=default_model,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
+            args,
+            default_model,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={
                 **no_exit,
@@ -454,7 +484,6 @@ def run_cli(
                 "prog": prog,
                 **{name: no_exit for name in SUBCOMMANDS},
             },
-            args=args,
         )
     except ArgumentError as e:
         if os.environ.get("MOCO_LIGHTNING_DEBUG"):

@@ -5,7 +5,7 @@
     backbone = moco_lightning.load_backbone("backbone.pt")   # rebuilt from the file's own description
 
 The file is a torchvision-style state dict (``torch.load`` it and ``load_state_dict`` it strictly into the same
-architecture) that also says what it holds: the backbone's name, ``width``, ``in_channels``, ``cifar_stem`` and
+architecture) that also says what it holds: the backbone's name, ``width``, ``in_channels``, ``stem`` and
 ``image_size`` ride in the state dict's ``_metadata`` (where ``state_dict()`` keeps its version numbers, ignored by
 ``load_state_dict``), so :func:`load_backbone` rebuilds the architecture without the settings it was trained with.
 Any method's checkpoint (MoCo, MoCo v3, SimCLR, BYOL, SwAV) exports its ``backbone``; ``--encoder key``: MoCo's key
@@ -27,7 +27,7 @@ from .backbones import is_backbone_spec
 from .checkpoint import read_checkpoint
 from .errors import ConfigError
 
-ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width")  # build_backbone's arguments
+ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
 
 
 def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] = "query") -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ from . import checkpoint as ckpt
 from .backbones import build_backbone
 from .errors import ConfigError
 
-__all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main"]
+__all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main", "pretrained_backbone"]
 
 
 def check_label_subset(fraction: Optional[float], per_class: Optional[int]) -> None:
@@ -83,7 +83,12 @@ def load_backbone_weights(backbone: nn.Module, path: str) -> None:
     backbone.load_state_dict(prefixed if prefixed else state, strict=True)
 
 
-class LinearClassifier(LightningModule):
+def pretrained_backbone(path: str) -> tuple[nn.Module, int]:
+    """``(backbone, feature_dim)`` of a checkpoint of any pretraining method (a named backbone) or of an export."""
+    return LinearClassifier._from_checkpoint(path)
+
+
+class LinearClassifier(ckpt.SafeLoading, LightningModule):
     """A linear layer on a frozen backbone kept in eval mode, trained by the MoCo linear protocol.
 
     The backbone comes from one of:
@@ -145,6 +150,7 @@ class LinearClassifier(LightningModule):
         finetune: Optional[bool] = None,
         backbone_lr: Optional[float] = None,
         from_scratch: bool = False,
+        stem: Optional[Literal["imagenet", "cifar", "cifar_stride2"]] = None,
     ) -> None:
         super().__init__()
         if from_scratch and finetune is False:
@@ -190,7 +196,7 @@ class LinearClassifier(LightningModule):
             if isinstance(backbone, nn.Module) and feature_dim is not None:
                 self.backbone, dim = backbone, feature_dim
             else:
-                self.backbone, dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width)
+                self.backbone, dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width, stem)
             weights = ckpt_path if ckpt_path is not None else backbone_state_dict
             if weights is not None and not from_scratch:
                 load_backbone_weights(self.backbone, weights)
@@ -323,19 +329,6 @@ class LinearClassifier(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         _lightning.reopen_cut_epoch(checkpoint)  # a run stopped by max_steps mid-epoch continues that epoch
-
-    @classmethod
-    def load_from_checkpoint(  # type: ignore[override]
-        cls,
-        checkpoint_path: Any,
-        map_location: Any = None,
-        strict: Optional[bool] = None,
-        weights_only: Optional[bool] = None,
-        **kwargs: Any,
-    ) -> "LinearClassifier":
-        """The classifier of a checkpoint, read with ``weights_only=True``; ``kwargs`` replace saved arguments
-        (``weights_only`` is ignored, as in :meth:`moco_lightning.Pretraining.load_from_checkpoint`)."""
-        return ckpt.load_module(cls, checkpoint_path, map_location, strict, **kwargs)
 
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --
     def train(self, mode: bool = True) -> "LinearClassifier":

@@ -118,6 +118,16 @@ def continue_plan(module: Any, plan: StepPlan) -> None:
         plan.global_batch = batch
 
 
+def change_length(module: Any, total: int) -> None:
+    """A fit in progress now ends at optimizer step ``total`` (e.g. a wall-time budget measured in the run): the
+    rest of the lr and momentum schedules stretches over the steps left (:meth:`StepPlan.replan`: continuous now,
+    the planned end at ``total``), and the trainer stops there."""
+    from ._lightning import set_max_steps
+
+    module.step_plan.replan(module.global_step, total)
+    set_max_steps(module.trainer, total)
+
+
 def steps_at_end(trainer: Any, step: int) -> float:
     """The global step at which this (resumed) run will stop: max_steps, or the end of max_epochs from the
     position restored in the current epoch, whichever comes first."""

@@ -19,10 +19,9 @@ def assert_resumes_bit_equal(cls, tmp_path, **kwargs) -> None:
     weights, buffers and optimizer state of the run that was never interrupted (warm-up + cosine lr: the schedule
     continues, it does not restart)."""
     import torch
+    from conftest import cpu_trainer, tiny_data
     from lightning.pytorch import seed_everything
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from conftest import cpu_trainer, tiny_data
 
     def run(ckpt_path=None, callbacks=()):
         seed_everything(0, verbose=False)

@@ -79,3 +79,52 @@ def test_a_narrow_resnet_pickles_for_spawned_ddp_processes():
     again = pickle.loads(pickle.dumps(model))
     x = torch.randn(2, 1, 32, 32)
     assert torch.equal(again(x), model(x)) and again.layer4[0].conv1.out_channels == 256
+
+
+@pytest.mark.parametrize("stem, side", [("imagenet", 1), ("cifar", 4), ("cifar_stride2", 2)])
+def test_each_stem_gives_its_map_size_on_28_px_images(stem, side):
+    """28-px images reach the last stage at 1x1 (imagenet: 7x7 conv stride 2 + max-pool), 4x4 (cifar: 3x3 stride 1)
+    or 2x2 (cifar_stride2: 3x3 stride 2, no max-pool; 14x14 maps in the first stage)."""
+    model, dim = build_backbone("resnet18", in_channels=1, image_size=28, width=0.125, stem=stem)
+    model.avgpool = nn.Identity()
+    maps = model.eval()(torch.zeros(2, 1, 28, 28)).reshape(2, dim, -1)
+    assert maps.shape[-1] == side * side
+    first = model.conv1
+    assert first.kernel_size == ((7, 7) if stem == "imagenet" else (3, 3)) and first.in_channels == 1
+    assert isinstance(model.maxpool, nn.Identity) == (stem != "imagenet")
+
+
+def test_cifar_stem_is_the_old_spelling_of_stem_cifar_and_a_contradiction_is_refused():
+    from moco_lightning.errors import ConfigError
+
+    a, _ = build_backbone("resnet18", cifar_stem=True, in_channels=1, image_size=28, width=0.125)
+    b, _ = build_backbone("resnet18", stem="cifar", in_channels=1, image_size=28, width=0.125)
+    assert a.conv1.stride == b.conv1.stride == (1, 1) and str(a) == str(b)
+    with pytest.raises(ConfigError, match="cifar_stem=True and stem='cifar_stride2' disagree"):
+        build_backbone("resnet18", cifar_stem=True, stem="cifar_stride2")
+    with pytest.raises(ConfigError, match="stem='small' is not allowed"):
+        build_backbone("resnet18", stem="small")
+    timm_model, _ = build_backbone("timm:resnet10t", stem="cifar_stride2", in_channels=1, image_size=28)
+    assert next(m for m in timm_model.conv1.modules() if isinstance(m, nn.Conv2d)).stride == (2, 2)
+
+
+def test_the_stem_travels_with_exports_and_from_scratch_baselines(tmp_path):
+    """An export records the stem, load_backbone rebuilds it; linear evaluation from scratch rebuilds the same stem."""
+    from conftest import tiny_data
+    from lightning.pytorch import Trainer
+
+    from moco_lightning import MoCo, load_backbone
+    from moco_lightning.export import export_backbone
+    from moco_lightning.linear_eval import LinearClassifier
+
+    model = MoCo(backbone="resnet18", width=0.125, in_channels=1, image_size=28, stem="cifar_stride2",
+                 hidden_dim=16, dim=8, queue_size=32, shuffle_bn="off")  # fmt: skip
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(model, tiny_data())
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    export_backbone(tmp_path / "m.ckpt", tmp_path / "b.pt")
+    rebuilt = load_backbone(tmp_path / "b.pt")
+    assert rebuilt.conv1.stride == (2, 2) and isinstance(rebuilt.maxpool, nn.Identity)
+    scratch = LinearClassifier(ckpt_path=str(tmp_path / "m.ckpt"), from_scratch=True, num_classes=10)
+    assert scratch.backbone.conv1.stride == (2, 2) and str(scratch.backbone) == str(model.backbone)

@@ -4,12 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(script: str, *args: str, timeout: int = 300) -> str:
+    """``python -m benchmarks.<script>`` from the repository's root, as the README runs them."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -137,65 +140,30 @@ def test_ddp_queue_broadcast_runs_two_processes():
     assert "queue 1024 x 128 fp32" in out and "x1.00" in out  # the excluded queue is the reference
 
 
-def test_recipe_search_selects_on_the_validation_split(tmp_path):
-    out = run(
-        "recipe_search.py",
-        "--rungs",
-        "0.02",
-        "0.04",
-        "--keep",
-        "2",
-        "2",
-        "--eval-subset",
-        "400",
-        "--probe-epochs",
-        "1",
-        "--candidates",
-        "base",
-        "crop_1.0",
-        "--timing-repeats",
-        "1",
-        "--timing-warmup",
-        "1",
-        "--timing-steps",
-        "1",
-        "--threads",
-        "1",
-        "--out",
-        str(tmp_path / "rs.png"),
-    )
-    assert "chosen: " in out and (tmp_path / "rs.png").is_file()
-    rows = (tmp_path / "rs.csv").read_text().splitlines()
-    assert len(rows) == 1 + 2 + 2  # the header, 2 candidates in rung 1, 2 in rung 2
+def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
+    """A tiny Optuna study in SQLite: 2 trials, then a run killed with a trial left running (simulated: a trial asked
+    and never told), then the same command again: the stale trial is failed and its parameters retried, the study
+    reaches 3 finished trials, and the CSV and the plot are written from it."""
+    import optuna
 
-
-def test_quality_replan_stretches_the_schedule_from_the_current_step():
-    import torch
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from moco_lightning.optim import lr_factor
-
-    from quality import rescale_schedule
-
-    class Trainer:  # what rescale_schedule reads of a Lightning Trainer
-        def __init__(self, sched):
-            self.lr_scheduler_configs = [type("Config", (), {"scheduler": sched})()]
-
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor("cosine", 0, 10, []))
-    for _ in range(5):
-        opt.step(), sched.step()
-    rescale_schedule(Trainer(sched), 5, 10, 20)  # at step 5 of 10 the run turns out to afford 20 steps
-    lrs = []
-    for _ in range(15):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step(), sched.step()
-    f = lr_factor("cosine", 0, 10, [])
-    assert abs(lrs[0] - 0.5) < 1e-9  # step 5: where the old plan was, no jump
-    assert abs(lrs[10] - f(5 + 10 * 5 / 15)) < 1e-9  # step 15: 2/3 of the remaining cosine
-    assert lrs[14] > 0 and all(a > b for a, b in zip(lrs, lrs[1:]))  # still decreasing, zero only at step 20
-    opt.step(), sched.step()
-    assert abs(opt.param_groups[0]["lr"]) < 1e-9
+    args = ("--study", "tiny", "--space", "tiny", "--epochs", "1", "1", "--train-subset", "96", "--holdout", "64",
+            "--fast", "--timing-steps", "1", "--threads", "1", "--results", str(tmp_path))  # fmt: skip
+    out = run("search", *args, "--trials", "2", timeout=600)
+    assert "0 trials already in the study, 2 to run" in out and "best: trial" in out
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    first = study.trials[0]
+    assert 0 <= first.value <= 1 and {"knn20", "linear_1pct", "qe", "train_s"} <= set(first.user_attrs)
+    assert first.value == pytest.approx((first.user_attrs["knn20"] + first.user_attrs["linear_1pct"]) / 2, abs=1e-3)
+    stale = study.ask({"temperature": optuna.distributions.CategoricalDistribution([0.1, 0.2, 0.5]),
+                       "erase_prob": optuna.distributions.CategoricalDistribution([0.0, 0.5])})  # fmt: skip
+    out = run("search", *args, "--trials", "3", timeout=600)
+    assert f"trial {stale.number} was left running" in out and "2 trials already in the study, 1 to run" in out
+    study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
+    states = [t.state.name for t in study.trials]
+    assert states == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]
+    assert study.trials[3].params == stale.params  # the interrupted configuration, tried again
+    assert (tmp_path / "tiny.csv").read_text().count("\n") == 1 + 4 and (tmp_path / "tiny.png").stat().st_size > 0
 
 
 def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
@@ -237,3 +205,22 @@ def test_low_label_compares_linear_fine_tuned_scratch_and_pixels(tmp_path):
     assert cells[1].startswith("1 % (") and 70 <= labelled <= 90 and cells[-1] == "3"  # 1 % of each class of 8000
     linear, pixels = float(cells[2]), float(cells[3])
     assert 10 < pixels <= 100 and 0 <= linear <= 100  # real accuracies in percent
+
+
+def test_benchmarks_are_a_package_on_the_public_api():
+    """No sys.path tricks and no private names of the library (a leading underscore in a module or a name)."""
+    import re
+
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        text = path.read_text()
+        assert "sys.path.insert" not in text, path.name
+        private = re.findall(r"moco_lightning(?:\.\w+)*\._\w+|from moco_lightning[.\w]* import [^\n]*\b_\w+", text)
+        assert not private, (path.name, private)
+
+
+def test_precision_times_each_stem_under_fp32_and_bf16_and_says_what_auto_picks():
+    out = run("precision", "--steps", "1", "--repeats", "1", "--batch", "8", "--stems", "imagenet", "cifar_stride2")
+    rows = [line.split("|") for line in out.splitlines() if line.strip().startswith(("imagenet ", "cifar_stride2 "))]
+    assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    assert "moco-lightning: precision auto:" not in out  # that line goes to stderr
+    assert all(r[4].strip() in ("32-true", "bf16-mixed") for r in rows)

@@ -3,14 +3,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_trainer, tiny_data
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+from method_toys import assert_resumes_bit_equal, tiny
 
 from moco_lightning import BYOL
 from moco_lightning.loss import normalized_mse
-
-from conftest import cpu_trainer, tiny_data
-from method_toys import assert_resumes_bit_equal, tiny
 
 
 def test_normalized_mse_is_the_squared_distance_of_unit_vectors(seeded):

@@ -298,11 +298,10 @@ def test_help_names_every_command_export_included(capsys):
 def test_final_metrics_say_when_a_knn_number_was_measured(seeded):
     """every_n_epochs 2 in a 1-epoch run: val/knn_acc1 is the random-init baseline; the table says so."""
     import torch
+    from conftest import cpu_trainer, tiny_data, tiny_moco
 
     from moco_lightning.callbacks import KNNMonitor
     from moco_lightning.cli import final_metrics_table
-
-    from conftest import cpu_trainer, tiny_data, tiny_moco
 
     trainer = cpu_trainer(max_epochs=1, limit_val_batches=0, callbacks=[KNNMonitor(every_n_epochs=2, k=5)])
     trainer.fit(tiny_moco(), tiny_data())

@@ -6,14 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cifar import write_cifar10
+from test_image_folder import write_tree
+from test_stl10 import write_stl10
 
 from moco_lightning import MoCo, Pretraining
 from moco_lightning.cli import run_cli
 from moco_lightning.linear_eval import LinearClassifier
-
-from test_cifar import write_cifar10
-from test_image_folder import write_tree
-from test_stl10 import write_stl10
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))

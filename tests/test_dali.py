@@ -6,11 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_image_folder import write_tree
 
 from moco_lightning.datamodules import ImageFolderDataModule
 from moco_lightning.datamodules.dali import DaliLoader
-
-from test_image_folder import write_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
+from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 from torch import nn
 
 from moco_lightning.callbacks import RepresentationDiagnostics, alignment, mean_queue_age, uniformity
-
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
 
 def test_alignment_and_uniformity_by_hand():
@@ -96,9 +95,9 @@ def test_diagnostics_on_moco(seeded):
 
 
 def test_key_drift_works_with_channels_last_weights():
-    from moco_lightning.callbacks import RepresentationDiagnostics
-
     from conftest import cpu_trainer, tiny_data, tiny_moco
+
+    from moco_lightning.callbacks import RepresentationDiagnostics
 
     def drift(m):
         model = tiny_moco(backbone="resnet18", width=0.25, hidden_dim=16, channels_last=True, momentum=m)

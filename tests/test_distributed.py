@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import cpu_trainer, tiny_moco
 from lightning.pytorch import Callback, LightningDataModule, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -20,8 +21,6 @@ from moco_lightning import MoCo
 from moco_lightning.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
 from moco_lightning.queue import KeyQueue
 from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
-
-from conftest import cpu_trainer, tiny_moco
 
 B, STEPS = 4, 3  # per-rank batch, optimizer steps
 
@@ -419,9 +418,8 @@ class Counted(Callback):
 
 
 def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_sizes(tmp_path):
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from conftest import tiny_data
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(max_steps, tag, ckpt_path=None):
         seed_everything(0, verbose=False)

@@ -4,11 +4,10 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import cpu_trainer, tiny_data
 
 from moco_lightning.datamodules import FashionMNISTDataModule
 from moco_lightning.datamodules.fashion_mnist import read_idx
-
-from conftest import cpu_trainer, tiny_data
 
 
 def write_idx(path, array, compress=True):

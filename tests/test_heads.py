@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from conftest import tiny_moco
 from torch import nn
 
 from moco_lightning import MoCoV3
 from moco_lightning.backbones import ViT
 from moco_lightning.heads import MLP, is_vit, v3_heads
-
-from conftest import tiny_moco
 
 
 def layout(module: nn.Module) -> list:

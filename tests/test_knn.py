@@ -12,12 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from moco_lightning.callbacks import KNNMonitor, knn_accuracy, knn_counts, knn_scores
-
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
 D = 6
 

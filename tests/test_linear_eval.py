@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from callback_toys import trainer
 from lightning.pytorch import Callback, LightningDataModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from moco_lightning.errors import ConfigError
 from moco_lightning.linear_eval import LinearClassifier, main
-
-from callback_toys import trainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "linear_eval.yaml"
 
@@ -167,9 +166,8 @@ class GrayImages(LightningDataModule):
 def resnet_checkpoint(tmp_path_factory) -> Path:
     """A MoCo checkpoint with a named backbone (what configs/linear_eval.yaml expects), untrained (saved
     without fitting: loading is what is under test, and a resnet18 step costs seconds on this CPU)."""
-    from lightning.pytorch import seed_everything
-
     from conftest import cpu_trainer, tiny_moco
+    from lightning.pytorch import seed_everything
 
     seed_everything(0, verbose=False)
     moco = tiny_moco(backbone="resnet18", cifar_stem=True)
@@ -231,10 +229,10 @@ def test_command_line_with_the_config_on_fashion_mnist(resnet_checkpoint, tmp_pa
 
 def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tmp_path):
     """The quickstart's width-0.5 ResNet-18, exported as a plain state dict, rebuilt by the same backbone arguments."""
+    from conftest import cpu_trainer, tiny_data
+
     from moco_lightning import MoCo
     from moco_lightning.export import export_backbone
-
-    from conftest import cpu_trainer, tiny_data
 
     moco = MoCo(backbone="resnet18", width=0.5, in_channels=1, image_size=28, queue_size=16, hidden_dim=32, dim=8)
     t = cpu_trainer(max_steps=1, limit_val_batches=0)
@@ -258,9 +256,9 @@ def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tm
 @pytest.mark.parametrize("method", ["SimCLR", "MoCoV3"])
 def test_a_checkpoint_of_another_method_is_linearly_evaluated(seeded, tmp_path, method):
     """Not only MoCo: any pretraining method's checkpoint gives its backbone (it was a 90-line traceback)."""
-    import moco_lightning
-
     from conftest import cpu_trainer, tiny_data
+
+    import moco_lightning
 
     cls = getattr(moco_lightning, method)
     pre = cls(backbone="resnet18", width=0.25, in_channels=1, image_size=28, hidden_dim=16, dim=8)
@@ -352,9 +350,9 @@ def test_finetune_trains_the_backbone_in_train_mode_at_its_own_lr(seeded):
 
 
 def test_from_scratch_rebuilds_the_checkpoints_architecture_with_random_weights(seeded, tmp_path):
-    from moco_lightning import MoCo
-
     from conftest import cpu_trainer, tiny_data
+
+    from moco_lightning import MoCo
 
     moco = MoCo(backbone="resnet18", width=0.25, in_channels=1, image_size=28, queue_size=16, hidden_dim=16, dim=8)
     t = cpu_trainer(max_steps=1, limit_val_batches=0)
@@ -393,9 +391,9 @@ def test_low_label_options_do_what_they_say_or_say_why_not(seeded):
 def test_labels_of_a_subset_missing_classes_are_refused(seeded):
     """labels_per_class on a training subset that lacks some classes would train a 10-class head on fewer: refused,
     naming the missing classes."""
-    from moco_lightning.datamodules import FashionMNISTDataModule
-
     from conftest import FIXTURE_CKPT, cpu_trainer
+
+    from moco_lightning.datamodules import FashionMNISTDataModule
 
     data = FashionMNISTDataModule(batch_size=4, train_subset=6, val_subset=8, pretrain=False)
     model = LinearClassifier(ckpt_path=FIXTURE_CKPT, labels_per_class=1)

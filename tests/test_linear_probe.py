@@ -7,13 +7,12 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from moco_lightning.callbacks import LinearProbe
 from moco_lightning.callbacks.linear_probe import probe_accuracy
-
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
 
 
 def backbone_state(net: TinyNet) -> dict[str, torch.Tensor]:

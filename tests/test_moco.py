@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cpu_trainer, tiny_data, tiny_moco
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -12,8 +13,6 @@ from torch import nn
 from moco_lightning import EndToEnd, MemoryBankMoCo, MoCo, MoCoV3
 from moco_lightning.errors import ConfigError
 from moco_lightning.negatives import InBatch
-
-from conftest import cpu_trainer, tiny_data, tiny_moco
 
 
 def key_state(model):

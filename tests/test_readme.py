@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import CPU_TRAINER, cpu_trainer
 from lightning.pytorch import Trainer
 
 import moco_lightning.datamodules as datamodules
 from moco_lightning import MoCo
 from moco_lightning.export import export_backbone
-
-from conftest import CPU_TRAINER, cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)

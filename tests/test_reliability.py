@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
+from conftest import cpu_trainer, tiny_data, tiny_moco
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import MoCo
 from moco_lightning.checkpoint import FORMAT_VERSION
 from moco_lightning.export import backbone_state_dict, export_backbone
-
-from conftest import cpu_trainer, tiny_data, tiny_moco
 
 ROOT = Path(__file__).resolve().parents[1]
 

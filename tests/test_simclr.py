@@ -4,12 +4,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-
-from moco_lightning import SimCLR
-
 from conftest import cpu_trainer, tiny_data
 from method_toys import assert_resumes_bit_equal, tiny
 from test_distributed import free_port, gloo_rank
+
+from moco_lightning import SimCLR
 
 
 def nt_xent(z0, z1, t):

@@ -4,14 +4,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import cpu_trainer, tiny_data
 from lightly.loss.swav_loss import sinkhorn
 from lightning.pytorch import Callback
-
-from moco_lightning import SwAV
-
-from conftest import cpu_trainer, tiny_data
 from method_toys import assert_resumes_bit_equal, tiny
 from test_distributed import free_port, gloo_rank
+
+from moco_lightning import SwAV
 
 
 def codes_by_hand(scores, iterations, eps):

@@ -6,13 +6,12 @@ import io
 
 import numpy as np
 import pytest
+from callback_toys import TinyNet, ToyData, trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from moco_lightning.callbacks import EmbeddingProjector, KNNMonitor, ViewGrid
-
-from callback_toys import TinyNet, ToyData, trainer
 
 
 def test_views_scalars_and_projector_are_written(seeded, tmp_path):
@@ -72,9 +71,9 @@ def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, t
     import urllib.request
     from pathlib import Path
 
-    from moco_lightning.callbacks import LinearProbe, RepresentationDiagnostics
-
     from conftest import cpu_trainer, tiny_data, tiny_moco
+
+    from moco_lightning.callbacks import LinearProbe, RepresentationDiagnostics
 
     callbacks = [
         ViewGrid(n_images=4),

@@ -1,0 +1,101 @@
+"""fp32 against bf16 autocast per stem, on this machine: what ``trainer.precision: auto`` chooses, and why.
+
+    python -m benchmarks.precision                        # step time per stem and precision (a few minutes)
+    python -m benchmarks.precision --qe 1 --split val      # and the quality of each at the same training wall time
+
+The quickstart's model (``configs/quickstart.yaml``: ResNet-18 x0.5 on 28-px images, batch 128) with each stem
+(``imagenet``: 7x7 maps, ``cifar_stride2``: 14x14, ``cifar``: 28x28): one training step (forward, loss, backward,
+SGD step; no data loading) timed under fp32 and under bf16 autocast, interleaved (A, B, then B, A; the median of
+``--repeats``), and the ratio. ``auto`` picks bf16-mixed only where bf16 is native (a CUDA GPU with bf16, a CPU with
+AMX), and the table says what it picked here. ``--qe Q``: each stem and precision also trains for Q quickstart-epoch
+equivalents of wall time (``quality.py``'s procedure: the steps that time affords at the measured speed) and is
+evaluated (kNN, linear, 1 %-label linear) on ``--split``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from benchmarks._common import config_path, footer, from_config, header, interleaved, parser, print_table, quiet
+
+STEMS = ("imagenet", "cifar_stride2", "cifar")
+PRECISIONS = ("32-true", "bf16-mixed")
+
+
+def step_seconds(stem: str, precision: str, batch: int, steps: int):
+    """A callable timing ``steps`` training steps of the quickstart model with ``stem`` (one warm-up step first)."""
+    model, _ = from_config(config_path("quickstart"), f"--model.stem={stem}")
+    model.train().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD([p for m in model.trained_modules() for p in m.parameters()], lr=0.01, momentum=0.9)
+    views = [torch.randn(batch, 1, 28, 28).contiguous(memory_format=torch.channels_last) for _ in range(2)]
+    cast = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16-mixed" else contextlib.nullcontext
+    )
+
+    def step() -> None:
+        with cast():
+            out = model.contrast(*views)
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+
+    def measure() -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t) / steps
+
+    return measure
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stems", nargs="+", choices=STEMS, default=list(STEMS))
+    p.add_argument("--qe", type=float, default=None, help="also train each for this many QE and evaluate it")
+    p.add_argument("--split", choices=("val", "test"), default="val")
+    args = p.parse_args(argv)
+    quiet()
+    t0 = time.perf_counter()
+    header("fp32 vs bf16 autocast per stem", args)
+    from moco_lightning.precision import auto_precision
+
+    auto = auto_precision("cpu")
+    rows = []
+    for stem in args.stems:
+        cases = {prec: step_seconds(stem, prec, args.batch, args.steps) for prec in PRECISIONS}
+        times = interleaved(cases, args.repeats)
+        fp32, bf16 = (sorted(times[p])[len(times[p]) // 2] for p in PRECISIONS)
+        rows.append([stem, f"{1e3 * fp32:.0f}", f"{1e3 * bf16:.0f}", f"{fp32 / bf16:.2f}x", auto,
+                     "faster" if (auto == "bf16-mixed") == (bf16 < fp32) else "slower"])  # fmt: skip
+        print(f"  {stem}: fp32 {1e3 * fp32:.0f} ms/step, bf16 autocast {1e3 * bf16:.0f} ms/step", flush=True)
+    print()
+    print_table(rows, ["stem", "fp32 ms/step", "bf16 ms/step", "bf16 speed-up", "auto picks", "auto's choice is"])
+    if args.qe:
+        from benchmarks.quality import Splits, System, quickstart_epoch_seconds, run_system
+
+        args.override, args.curve_points, args.probe_epochs, args.replan_at = [], 1, 20, 0.1
+        args.timing_warmup, args.timing_steps = 3, 8
+        splits = Splits(args.split, None, 10000, 2000)
+        budget = args.qe * quickstart_epoch_seconds(args, splits)
+        quality = []
+        for stem in args.stems:
+            for prec in PRECISIONS:
+                args.precision = prec
+                system = System(f"{stem}/{prec}", args, splits, "quickstart", (f"--model.stem={stem}",))
+                r = run_system(system, budget, 1)
+                quality.append([stem, prec, str(r["steps"]), f"{100 * r['knn_top1']:.2f}",
+                                f"{100 * r['probe_top1']:.2f}", f"{100 * r['low_label_top1']:.2f}"])  # fmt: skip
+        print_table(quality, ["stem", "precision", f"steps in {args.qe:g} QE", "kNN %", "linear %", "1 %-label %"])
+    footer(t0)
+
+
+if __name__ == "__main__":
+    main()

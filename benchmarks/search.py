@@ -1,0 +1,220 @@
+"""The recipe search on Optuna: a study stored in SQLite, resumed by running the same command again.
+
+    python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # the search
+    python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # again: resumes
+    python -m benchmarks.search --study smoke --space tiny --epochs 1 2 --trials 3 --train-subset 512 \\
+        --holdout 256 --fast --results /tmp/search                                                 # a smoke run
+
+Selection never reads the test split: each trial pretrains a config of ``configs/`` (``--config``, default the
+quickstart) with the trial's overrides on the training split minus its held-out end (the datamodule's ``holdout``:
+the last 10 000 images), and is judged on that held-out end:
+
+- **rungs** (``--epochs``): a trial trains for the last rung's epochs; after every epoch its kNN top-1 (k 20, the
+  ``KNNMonitor`` on the held-out images) goes to Optuna (optuna-integration's Lightning pruning callback), and from
+  the first rung on a trial below the median of the earlier trials at that epoch is pruned (``MedianPruner``; the
+  first ``--startup-trials`` are never pruned);
+- **objective** of a trial that finishes: the mean of ``moco-lightning evaluate``'s kNN top-1 at k 20, the linear
+  top-1 on frozen features with 1 % of the labels and the fine-tuned top-1 with 1 % of the labels, on the held-out
+  split (``--fast``: kNN and linear only);
+- **cost**: each trial's training seconds, also in quickstart-epoch equivalents (1 QE: one epoch of
+  ``configs/quickstart.yaml``, timed in the same run), stored with the trial, as is the pretext task's last
+  ``train/acc1`` (near 1.0: the views no longer teach).
+
+The study lives in ``<results>/<study>.db`` (``--results``, default ``benchmarks/results``): run the same command
+after an interruption and it goes on (``load_if_exists``); a trial left running by a killed process is marked failed
+and its parameters are tried again. After the trials: ``<study>.csv`` (every trial) and ``<study>.png`` (the
+objective per trial, pruned ones at their last rung). Report the chosen recipe once on the test split with
+``moco-lightning evaluate``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks._common import ROOT, config_path, footer, from_config, header, parser, quiet
+
+D, M = "--data.init_args.", "--model."
+
+#: named search spaces: setting -> (CLI override, the candidates); a Fashion-MNIST space and a tiny one for tests
+SPACES: dict[str, dict[str, tuple[str, list]]] = {
+    "fashion_mnist": {
+        "stem": (M + "stem", ["imagenet", "cifar_stride2", "cifar"]),
+        "width": (M + "width", [0.25, 0.5]),
+        "min_scale": (D + "min_scale", [0.2, 0.5, 1.0]),
+        "translate": (D + "translate", [0, 2, 4]),
+        "erase_prob": (D + "erase_prob", [0.0, 0.25, 0.5]),
+        "jitter_strength": (D + "jitter_strength", [0.2, 0.4, 0.8]),
+        "symmetric": (M + "symmetric", [False, True]),
+        "local_views": (D + "local_views", [0, 2]),
+        "temperature": (M + "temperature", [0.1, 0.2, 0.3]),
+        "queue_size": (M + "queue_size", [1024, 4096, 16384]),
+        "lr": (M + "lr", [0.03, 0.06, 0.12]),
+        "batch_size": (D + "batch_size", [64, 128, 256]),
+        "momentum_schedule": (M + "momentum_schedule", ["constant", "cosine"]),
+    },
+    "tiny": {
+        "temperature": (M + "temperature", [0.1, 0.2, 0.5]),
+        "erase_prob": (D + "erase_prob", [0.0, 0.5]),
+    },
+}
+QE_CONFIG = "quickstart"  # 1 QE: one epoch of this config over the 60k training images
+
+
+def overrides_of(params: dict, space: dict) -> list[str]:
+    return [f"{space[name][0]}={value}" for name, value in params.items()]
+
+
+def qe_seconds(args) -> float:
+    """Seconds of one quickstart epoch on this machine now: a few steps timed, scaled to the epoch's steps."""
+    from lightning.pytorch import Trainer
+
+    from benchmarks._common import StepClock, trainer_kwargs
+
+    model, data = from_config(config_path(QE_CONFIG), *args.data_overrides)
+    clock, warmup, steps = StepClock(), 2, args.timing_steps
+    Trainer(**trainer_kwargs(warmup + steps, [clock])).fit(model, datamodule=data)
+    epoch_steps = 60000 // data.batch_size
+    seconds = clock.seconds(warmup, steps) / steps * epoch_steps
+    print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG}: {epoch_steps} steps)", flush=True)
+    return seconds
+
+
+def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
+    """One trial: pretrain for the last rung's epochs with the pruning callback, then evaluate on the held-out split."""
+
+    def objective(trial) -> float:
+        import torch
+        from lightning.pytorch import Trainer, seed_everything
+        from optuna_integration import PyTorchLightningPruningCallback
+
+        from moco_lightning.callbacks import KNNMonitor
+        from moco_lightning.evaluate import evaluate
+
+        params = {name: trial.suggest_categorical(name, values) for name, (_, values) in space.items()}
+        seed_everything(args.seed, verbose=False)
+        model, data = from_config(config_path(args.config), *args.data_overrides, *overrides_of(params, space))
+        prune = PyTorchLightningPruningCallback(trial, monitor="val/knn_acc1")
+        folder = Path(args.results) / f"{args.study}_trials" / f"{trial.number}"
+        trainer = Trainer(
+            accelerator="cpu", max_epochs=args.epochs[-1], logger=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
+            callbacks=[KNNMonitor(k=20, every_n_epochs=1), prune],
+        )  # fmt: skip
+        t = time.perf_counter()
+        trainer.fit(model, datamodule=data)
+        seconds = time.perf_counter() - t
+        trial.set_user_attr("train_s", round(seconds, 1))
+        trial.set_user_attr("qe", round(seconds / qe, 2))
+        trial.set_user_attr("train_acc1", float(trainer.callback_metrics.get("train/acc1", torch.tensor(float("nan")))))
+        folder.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(folder / "last.ckpt")
+        held_out = from_config(
+            config_path(args.config), *args.data_overrides, *overrides_of(params, space),
+            f"{D}pretrain=false", f"{D}supervised_min_scale=1.0", f"{D}local_views=0",
+        )[1]  # fmt: skip
+        result = evaluate(str(folder / "last.ckpt"), held_out, fractions=(0.01,), ks=(20,), steps=args.finetune_steps,
+                          seed=args.seed, scratch=False, full_linear=False, fine_tune=not args.fast)  # fmt: skip
+        scores = [result["rows"]["kNN k 20"]["encoder"], result["fractions"]["0.01"]["linear"]]
+        if not args.fast:
+            scores.append(result["fractions"]["0.01"]["fine_tuned"])
+        for name, value in zip(("knn20", "linear_1pct", "finetuned_1pct"), scores):
+            trial.set_user_attr(name, round(value, 4))
+        (folder / "last.ckpt").unlink()  # the study keeps the figures, not every trial's weights
+        return sum(scores) / len(scores)
+
+    return objective
+
+
+def open_study(args):
+    """The study in ``<results>/<study>.db`` (created, or loaded to go on); trials a killed process left running are
+    marked failed and their parameters queued again."""
+    import optuna
+    from optuna.trial import TrialState
+
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    # from the first rung on (Lightning's epoch index: epochs done - 1), a trial below the median of the earlier
+    # trials at the same epoch stops
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=args.startup_trials, n_warmup_steps=args.epochs[0] - 1)
+    study = optuna.create_study(
+        study_name=args.study, storage=f"sqlite:///{Path(args.results) / args.study}.db", load_if_exists=True,
+        direction="maximize", pruner=pruner, sampler=optuna.samplers.TPESampler(seed=args.seed),
+    )  # fmt: skip
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        print(f"trial {trial.number} was left running (an interrupted run): marked failed, its parameters queued again")
+        study.tell(trial.number, state=TrialState.FAIL)
+        study.enqueue_trial(trial.params, skip_if_exists=False)
+    return study
+
+
+def write_results(study, args) -> None:
+    """``<study>.csv`` of every trial and ``<study>.png``: the objective per trial, pruned trials at their last rung."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.trial import TrialState
+
+    out = Path(args.results) / args.study
+    study.trials_dataframe().to_csv(f"{out}.csv", index=False)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    pruned = [t for t in study.trials if t.state == TrialState.PRUNED and t.intermediate_values]
+    ax.scatter([t.number for t in done], [100 * t.value for t in done], label="objective (held-out split)")
+    ax.scatter([t.number for t in pruned], [100 * t.intermediate_values[max(t.intermediate_values)] for t in pruned],
+               marker="x", label="pruned: kNN k 20 at its last rung")  # fmt: skip
+    ax.set_xlabel("trial")
+    ax.set_ylabel("top-1 (%)")
+    ax.set_title(f"study {args.study}: {len(done)} complete, {len(pruned)} pruned")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(f"{out}.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = parser(__doc__)
+    p.add_argument("--study", required=True, help="the study's name: <results>/<study>.db")
+    p.add_argument("--space", choices=list(SPACES), default="fashion_mnist")
+    p.add_argument("--config", default="quickstart", help="the config every trial starts from")
+    p.add_argument(
+        "--epochs", type=int, nargs="+", default=[2, 4], help="rungs in epochs; the last is a trial's length"
+    )
+    p.add_argument("--trials", type=int, default=20, help="complete + pruned trials the study should hold")
+    p.add_argument("--holdout", type=int, default=10000, help="the held-out end of the training split (selection)")
+    p.add_argument("--train-subset", type=int, default=None, help="smoke runs: the first N training images")
+    p.add_argument("--finetune-steps", type=int, default=None, help="default: evaluate's max(600, 30 epochs)")
+    p.add_argument("--timing-steps", type=int, default=8)
+    p.add_argument("--startup-trials", type=int, default=4, help="trials that are never pruned (the median's base)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--fast", action="store_true", help="objective of kNN and linear only (no fine-tuning)")
+    args = p.parse_args(argv)
+    args.data_overrides = [f"{D}holdout={args.holdout}", f"{D}val_subset={args.holdout}"]
+    if args.train_subset:
+        args.data_overrides.append(f"{D}train_subset={args.train_subset + args.holdout}")
+    quiet()
+    t0 = time.perf_counter()
+    header(f"Recipe search (Optuna): study {args.study}", args)
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = open_study(args)
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    left = max(0, args.trials - len(finished))
+    print(f"{len(finished)} trials already in the study, {left} to run", flush=True)
+    if left:
+        qe = qe_seconds(args)
+        study.optimize(objective_of(args, SPACES[args.space], qe), n_trials=left, catch=(RuntimeError,))
+    write_results(study, args)
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    if done:
+        best = study.best_trial
+        print(f"best: trial {best.number}, objective {best.value:.4f}, {best.params}, {best.user_attrs}")
+    footer(t0)
+
+
+if __name__ == "__main__":
+    main()

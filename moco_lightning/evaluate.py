@@ -1,0 +1,293 @@
+"""``moco-lightning evaluate``: what a pretrained encoder is worth, in one command.
+
+    moco-lightning evaluate --ckpt runs/quickstart/version_0/checkpoints/last.ckpt     # any method, or an export
+    moco-lightning evaluate --ckpt backbone.pt --split val       # the held-out end of the training split, not test
+    moco-lightning evaluate --ckpt last.ckpt --config configs/cifar10.yaml              # another datamodule
+    moco-lightning evaluate --ckpt last.ckpt --fast              # a smoke run in seconds
+
+On the datamodule's evaluation views (default: Fashion-MNIST), beside the same measurements of the raw pixels:
+
+- **kNN** top-1 at k 20 and 200 (weighted cosine vote, T 0.1: the library's ``knn_counts``), bank = the training split;
+- **linear, all labels**: a linear classifier on the frozen, standardised features (``probe_accuracy``: Adam, 20
+  epochs), the raw pixels the same way;
+- for each **label fraction** (default 1 % and 10 %: a seeded, class-stratified subset, SimCLR's semi-supervised
+  protocol): linear on frozen features (and pixels), the encoder **fine-tuned** (``LinearClassifier(finetune=True)``,
+  the recipe of ``configs/low_label.yaml``: SGD momentum 0.9, wd 5e-4, head lr 0.05, backbone lr 0.01, cosine,
+  batches of 64 with flips), and the same architecture **from scratch** (random initialisation, lr 0.05
+  everywhere), both for the same ``max(600, 30 epochs)`` steps.
+
+The table is printed as Markdown and written with the figures (``evaluate.json``) and a plot of accuracy against
+the labelled fraction (``evaluate.png``) to ``--out`` (default ``runs/evaluate/<checkpoint name>``). ``--split val``
+holds the last 10 000 training images out as the evaluation split (``holdout``): select recipes on it, and report
+the chosen one once on the test split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import ConfigError
+
+#: the fine-tuning recipe of configs/low_label.yaml (the same for the pretrained encoder and from scratch)
+FINETUNE = dict(lr=0.05, backbone_lr=0.01, momentum=0.9, weight_decay=5e-4, schedule="cosine")
+BATCH, KNN_T, HOLDOUT = 64, 0.1, 10_000
+
+
+def finetune_steps(n_labelled: int) -> int:
+    """``max(600, 30 epochs)`` of batches of 64: 600 at 1 % of Fashion-MNIST (64 epochs), 2812 at 10 %."""
+    return max(600, round(30 * n_labelled / BATCH))
+
+
+def knn_top1(bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], classes: int, k: int) -> float:
+    from moco_lightning.callbacks import knn_counts
+
+    correct, total = knn_counts(
+        F.normalize(queries[0], dim=1), queries[1], F.normalize(bank[0], dim=1), bank[1], classes, k, KNN_T, topk=(1,)
+    ).tolist()
+    return correct / total
+
+
+def linear_top1(
+    bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], classes: int, min_steps: int = 500
+) -> float:
+    """A linear classifier on frozen, standardised features: Adam, at least ``min_steps`` steps and 20 epochs."""
+    from moco_lightning.callbacks import probe_accuracy
+
+    epochs = max(20, math.ceil(min_steps / math.ceil(len(bank[1]) / 256)))
+    return probe_accuracy(bank[0], bank[1], queries[0], queries[1], classes, epochs=epochs)
+
+
+def evaluate(
+    ckpt: str,
+    datamodule: Optional[Any] = None,
+    fractions: Sequence[float] = (0.01, 0.1),
+    ks: Sequence[int] = (20, 200),
+    steps: Optional[int] = None,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    full_linear: bool = True,
+    fine_tune: bool = True,
+    scratch: bool = True,
+) -> dict:
+    """The figures of :mod:`moco_lightning.evaluate` for the encoder of ``ckpt`` (a checkpoint of any method, or an
+    export) on ``datamodule`` (an in-memory datamodule of this library; default: Fashion-MNIST's test split).
+    ``full_linear``, ``fine_tune``, ``scratch``: measure those columns (a search may skip the costly ones)."""
+    from lightning.pytorch import seed_everything
+
+    from moco_lightning.callbacks import embed
+    from moco_lightning.datamodules import FashionMNISTDataModule
+    from moco_lightning.linear_eval import balanced_subset, pretrained_backbone
+
+    t0 = time.perf_counter()
+    backbone, _ = pretrained_backbone(ckpt)
+    dm = datamodule if datamodule is not None else FashionMNISTDataModule(pretrain=False, supervised_min_scale=1.0)
+    if getattr(dm, "pretrain", False):
+        raise ConfigError("evaluate needs the datamodule's evaluation views: set its pretrain false")
+    template = copy.deepcopy(dm)  # each fine-tuning run restricts the training split of a fresh copy to its labels
+    dm.setup("fit")
+    classes = dm.num_classes
+    cpu = torch.device("cpu")
+    progress(f"evaluate: {ckpt}: features of the training and evaluation splits")
+    splits = {}
+    for name, module in (("encoder", backbone), ("pixels", nn.Flatten())):
+        train = embed(module, dm.eval_train_dataloader(), cpu, gather=False, normalize=False)
+        held = embed(module, dm.eval_val_dataloader(), cpu, gather=False, normalize=False)
+        splits[name] = (train, held)
+    n_train, n_eval = len(splits["encoder"][0][1]), len(splits["encoder"][1][1])
+    out: dict = {"ckpt": str(ckpt), "train_images": n_train, "eval_images": n_eval, "classes": classes, "rows": {}}
+    for name, (train, held) in splits.items():
+        for k in ks:
+            out["rows"].setdefault(f"kNN k {k}", {})[name] = knn_top1(train, held, classes, k)
+        if full_linear:
+            progress(f"evaluate: {name}: linear on all {n_train} labels")
+            out["rows"].setdefault("linear, all labels", {})[name] = linear_top1(train, held, classes)
+    out["fractions"] = {}
+    targets = splits["encoder"][0][1]
+    for fraction in fractions:
+        idx = balanced_subset(targets, fraction=fraction, seed=seed)
+        row = {
+            "labels": len(idx),
+            "linear": linear_top1(tuple(t[idx] for t in splits["encoder"][0]), splits["encoder"][1], classes),
+            "linear_pixels": linear_top1(tuple(t[idx] for t in splits["pixels"][0]), splits["pixels"][1], classes),
+        }
+        n_steps = steps or finetune_steps(len(idx))
+        for column, from_scratch, wanted in (("fine_tuned", False, fine_tune), ("from_scratch", True, scratch)):
+            if not wanted:
+                continue
+            progress(f"evaluate: {fraction:g} of the labels ({len(idx)}): {column.replace('_', ' ')}, {n_steps} steps")
+            seed_everything(seed, verbose=False)
+            row[column] = _finetune(ckpt, copy.deepcopy(template), fraction, n_steps, from_scratch, seed)
+        if fine_tune and scratch:
+            row["fine_tuned_minus_scratch"] = row["fine_tuned"] - row["from_scratch"]
+        out["fractions"][f"{fraction:g}"] = row
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _finetune(ckpt: str, data: Any, fraction: float, steps: int, scratch: bool, seed: int) -> float:
+    """Held-out top-1 of ``LinearClassifier`` fine-tuned (or from scratch) on ``fraction`` of the labels of ``data``
+    (a fresh datamodule: the labelled subset replaces its training split)."""
+    from lightning.pytorch import Trainer
+
+    from moco_lightning.linear_eval import LinearClassifier
+
+    data.batch_size = BATCH
+    recipe = dict(FINETUNE, backbone_lr=None) if scratch else FINETUNE
+    model = LinearClassifier(ckpt_path=str(ckpt), label_fraction=fraction, label_seed=seed, finetune=True,
+                             from_scratch=scratch, **recipe)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=data)
+        return float(trainer.validate(model, datamodule=data, verbose=False)[0]["val/acc1"])
+
+
+def markdown(result: dict) -> str:
+    """The two tables: kNN and full-label linear (encoder beside raw pixels); the label fractions."""
+    pct = lambda v: "-" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    lines = [
+        f"Encoder `{result['ckpt']}`: {result['train_images']} training images, {result['eval_images']} evaluated.",
+        "",
+        "| | encoder | raw pixels |",
+        "|---|---|---|",
+        *(f"| {name} | {pct(v['encoder'])} | {pct(v['pixels'])} |" for name, v in result["rows"].items()),
+    ]
+    if result["fractions"]:
+        lines += [
+            "",
+            "| labels | linear, frozen | linear, raw pixels | fine-tuned | from scratch | fine-tuned − scratch |",
+            "|---|---|---|---|---|---|",
+        ]
+        for fraction, r in result["fractions"].items():
+            gap = r.get("fine_tuned_minus_scratch")
+            gap = "-" if gap is None else f"{100 * gap:+.2f}"
+            lines.append(
+                f"| {100 * float(fraction):g} % ({r['labels']}) | {pct(r['linear'])} | {pct(r['linear_pixels'])} | "
+                f"{pct(r.get('fine_tuned'))} | {pct(r.get('from_scratch'))} | {gap} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Optional[Path]:
+    """Accuracy against the labelled fraction, one line per column (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fractions = [float(f) for f in result["fractions"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("linear", "linear, frozen"), ("linear_pixels", "linear, raw pixels"),
+                       ("fine_tuned", "fine-tuned"), ("from_scratch", "from scratch")):  # fmt: skip
+        if any(key not in r for r in result["fractions"].values()):
+            continue
+        xs, ys = fractions, [100 * r[key] for r in result["fractions"].values()]
+        if key.startswith("linear") and "linear, all labels" in result["rows"]:  # the full-label linear at 100 %
+            xs, ys = (
+                xs + [1.0],
+                ys + [100 * result["rows"]["linear, all labels"]["encoder" if key == "linear" else "pixels"]],
+            )
+        ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("labelled fraction of the training split")
+    ax.set_ylabel("top-1 (%)")
+    ax.set_title(Path(result["ckpt"]).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def datamodule_of(config: Optional[str], split: str, fast: bool) -> Any:
+    """The evaluation datamodule: the ``data:`` section of ``config`` (default: Fashion-MNIST) with the evaluation
+    views, ``holdout`` for ``split="val"``, and the first 2000 / 500 images for ``fast``."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningDataModule
+
+    data: dict = {"class_path": "moco_lightning.datamodules.FashionMNISTDataModule", "init_args": {}}
+    if config:
+        import yaml
+
+        section = (yaml.safe_load(Path(config).read_text()) or {}).get("data")
+        if not section:
+            raise ConfigError(f"--config {config}: no data: section (the datamodule to evaluate on)")
+        data = section
+    from moco_lightning.datamodules import InMemoryDataModule
+
+    module, _, name = str(data.get("class_path", "")).rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name, None) if module.startswith("moco_lightning.") else None
+    if not (isinstance(cls, type) and issubclass(cls, InMemoryDataModule)):
+        raise ConfigError(
+            f"evaluate: data.class_path {data.get('class_path')!r}: evaluate runs on the in-memory datamodules of "
+            "moco_lightning.datamodules (Fashion-MNIST, CIFAR-10/100, STL-10): the label fractions need their "
+            "train_targets() and select_train()"
+        )
+    init = dict(data.get("init_args") or {}, pretrain=False, supervised_min_scale=1.0)
+    for key in ("local_views", "local_size", "erase_prob", "translate", "rotation"):
+        init.pop(key, None)  # pretraining views: not used by evaluation
+    if split == "val":
+        init["holdout"] = HOLDOUT if not fast else 500
+    if fast:
+        init.update(train_subset=2000, val_subset=500)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningDataModule, "data")
+    return parser.instantiate_classes(parser.parse_object({"data": {**data, "init_args": init}})).data
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(
+        prog="moco-lightning evaluate",
+        description=doc[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(doc[1:]),
+    )
+    p.add_argument("--ckpt", required=True, help="a checkpoint of any pretraining method, or an export (.pt)")
+    p.add_argument(
+        "--config", default=None, help="a YAML whose data: section is the datamodule (default Fashion-MNIST)"
+    )
+    p.add_argument("--split", choices=("test", "val"), default="test", help="val: the last 10000 training images")
+    p.add_argument("--fractions", type=float, nargs="*", default=[0.01, 0.1], help="label fractions (default 0.01 0.1)")
+    p.add_argument("--k", type=int, nargs="+", default=[20, 200], help="kNN neighbours (default 20 200)")
+    p.add_argument("--steps", type=int, default=None, help="fine-tuning steps (default max(600, 30 epochs))")
+    p.add_argument("--out", default=None, help="folder for evaluate.md/.json/.png (default runs/evaluate/<name>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fast", action="store_true", help="a smoke run: 2000 / 500 images, 5 %% of labels, 10 steps")
+    args = p.parse_args(argv)
+    fractions, steps = ([0.05], 10) if args.fast else (args.fractions, args.steps)
+    try:
+        result = evaluate(
+            args.ckpt, datamodule_of(args.config, args.split, args.fast), fractions, args.k, steps, args.seed
+        )
+    except (FileNotFoundError, ValueError) as e:
+        p.exit(2, f"moco-lightning evaluate: error: {e}\n")
+    result["split"] = args.split
+    table = markdown(result)
+    print(table)
+    out = Path(args.out or Path("runs") / "evaluate" / Path(args.ckpt).stem)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "evaluate.md").write_text(table + "\n")
+    (out / "evaluate.json").write_text(json.dumps(result, indent=2) + "\n")
+    png = plot(result, out / "evaluate.png") if result["fractions"] else None
+    plotted = f", {png}" if png else " (no plot: pip install matplotlib)"
+    took = f"{result['seconds']:.0f} s, split {args.split}"
+    print(f"\nwrote {out / 'evaluate.md'}, {out / 'evaluate.json'}{plotted} ({took})", file=sys.stderr)

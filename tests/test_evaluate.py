@@ -1,0 +1,52 @@
+"""``moco-lightning evaluate``: kNN (k 20, 200) and linear beside the raw pixels, and per label fraction linear,
+fine-tuned and from scratch; a Markdown table, its figures and a plot; the validation split is the held-out end of
+the training split, never the test split."""
+
+import json
+
+import pytest
+from conftest import FIXTURE_CKPT
+
+from moco_lightning.cli import main
+
+
+def test_evaluate_prints_the_table_and_writes_its_files(tmp_path, capsys):
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert "| kNN k 20 |" in out and "| kNN k 200 |" in out and "| linear, all labels |" in out
+    assert "| 5 % (" in out and "fine-tuned − scratch" in out
+    assert "evaluate: 0.05 of the labels" in err  # progress on stderr
+    result = json.loads((tmp_path / "evaluate.json").read_text())
+    assert result["train_images"] == 2000 and result["eval_images"] == 500 and result["split"] == "test"
+    values = [v for row in result["rows"].values() for v in row.values()]
+    fraction = result["fractions"]["0.05"]
+    values += [fraction[k] for k in ("linear", "linear_pixels", "fine_tuned", "from_scratch")]
+    assert all(0.0 <= v <= 1.0 for v in values) and result["rows"]["kNN k 20"]["pixels"] > 0.5  # pixels are strong
+    assert fraction["labels"] == 100 and (tmp_path / "evaluate.md").read_text().strip() == out.strip()
+    assert (tmp_path / "evaluate.png").stat().st_size > 0
+
+
+def test_the_validation_split_is_the_held_out_end_of_the_training_split(tmp_path):
+    from moco_lightning.evaluate import datamodule_of
+
+    test, val = datamodule_of(None, "test", fast=True), datamodule_of(None, "val", fast=True)
+    for dm in (test, val):
+        dm.setup("fit")
+    assert val.holdout == 500 and test.holdout is None
+    val_images, test_images = val.eval_val_dataloader().dataset, test.eval_val_dataloader().dataset
+    train_images = test.eval_train_dataloader().dataset
+    # the val split's images come from the training split (its end), not from the test split
+    full = type(val)(pretrain=False)
+    full_train, _ = full.load_split("train")
+    assert (val_images.images[0] == full_train[-500]).all() and not (
+        val_images.images[0] == test_images.images[0]
+    ).all()
+    assert len(train_images) == 2000
+
+
+def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
+    (tmp_path / "x.ckpt").write_text("nope")
+    with pytest.raises(SystemExit) as exit_:
+        main(["evaluate", "--ckpt", str(tmp_path / "x.ckpt"), "--fast"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(f"moco-lightning evaluate: error: model.ckpt_path {tmp_path / 'x.ckpt'}")

@@ -1,0 +1,56 @@
+"""``precision: auto``: bf16-mixed where bf16 is native (CUDA with bf16, a CPU with AMX), else 32-true, said in one
+line; through the CLI's Trainer and the public helper, with the hardware probes mocked both ways."""
+
+import pytest
+
+import moco_lightning.precision as precision
+from moco_lightning.precision import AutoPrecisionTrainer, auto_precision
+
+
+@pytest.mark.parametrize("amx, expected", [(True, "bf16-mixed"), (False, "32-true")])
+def test_auto_on_the_cpu_follows_amx(amx, expected, monkeypatch, capsys):
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(precision.torch.cuda, "is_available", lambda: False)
+    assert auto_precision("cpu") == expected
+    line = capsys.readouterr().err.strip()
+    assert line == f"moco-lightning: precision auto: {expected} (CPU, " + (
+        "AMX bf16 tiles)" if amx else "no AMX: bf16 would be emulated and slower)"
+    )
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, "bf16-mixed"), (False, "32-true")])
+def test_auto_on_a_gpu_follows_its_bf16_support(bf16, expected, monkeypatch):
+    monkeypatch.setattr(precision.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(precision.torch.cuda, "get_device_name", lambda: "H200")
+    monkeypatch.setattr(precision, "cuda_has_bf16", lambda: bf16)
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: not bf16)  # the CPU's answer must not matter
+    assert auto_precision("auto", verbose=False) == expected
+    assert auto_precision("cpu", verbose=False) == ("32-true" if bf16 else "bf16-mixed")  # accelerator cpu: the CPU
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_clis_trainer_takes_precision_auto(amx, monkeypatch, tmp_path):
+    from moco_lightning import MoCo, Pretraining
+    from moco_lightning.cli import run_cli
+
+    monkeypatch.setattr(precision, "cpu_has_amx", lambda: amx)
+    monkeypatch.chdir(tmp_path)
+    cli = run_cli(
+        Pretraining,
+        ["fit", "--config", str(precision_config(tmp_path)), "--trainer.precision", "auto", "--trainer.fast_dev_run=1"],
+        default_model=MoCo,
+    )
+    assert isinstance(cli.trainer, AutoPrecisionTrainer) and cli.trainer.global_step == 1
+    assert str(cli.trainer.precision) == ("bf16-mixed" if amx else "32-true")
+
+
+def precision_config(folder):
+    path = folder / "tiny.yaml"
+    path.write_text(
+        "trainer: {accelerator: cpu, logger: false, enable_progress_bar: false, callbacks: []}\n"
+        "model: {backbone: resnet18, width: 0.0625, in_channels: 1, image_size: 28, hidden_dim: 16, dim: 8,"
+        " queue_size: 32, shuffle_bn: 'off'}\n"
+        "data: {class_path: moco_lightning.datamodules.FashionMNISTDataModule,"
+        " init_args: {batch_size: 16, train_subset: 32, val_subset: 16}}\n"
+    )
+    return path
