@@ -400,9 +400,8 @@ def _write_jpeg(job) -> None:
 
 def check_throughput(device: str, size: dict, deadline: float) -> Result:
     """Images/s of the encoder work, the fit step, the data paths and fit with each (module docstring)."""
-    from step_overhead import SameBatch, bare_step
-
     from benchmarks._common import config_path, from_config
+    from benchmarks.step_overhead import SameBatch, bare_step
 
     out, n, steps, warm = {}, size["big_batch"], size["bench_steps"], size["warmup"]
     share = (deadline - time.time()) / 6  # six measurements

@@ -29,6 +29,7 @@ objective per trial, pruned ones at their last rung). Report the chosen recipe o
 
 from __future__ import annotations
 
+import csv
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -157,7 +158,16 @@ def write_results(study, args) -> None:
     from optuna.trial import TrialState
 
     out = Path(args.results) / args.study
-    study.trials_dataframe().to_csv(f"{out}.csv", index=False)
+    names = sorted({k for t in study.trials for k in t.params})
+    attrs = sorted({k for t in study.trials for k in t.user_attrs})
+    with open(f"{out}.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["number", "state", "value", "last_rung_knn20", *names, *attrs])
+        for t in study.trials:
+            rung = t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else ""
+            value = t.value if t.value is not None else ""
+            params, user = (t.params.get(k, "") for k in names), (t.user_attrs.get(k, "") for k in attrs)
+            writer.writerow([t.number, t.state.name, value, rung, *params, *user])
     fig, ax = plt.subplots(figsize=(7, 4))
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
     pruned = [t for t in study.trials if t.state == TrialState.PRUNED and t.intermediate_values]

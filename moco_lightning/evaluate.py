@@ -149,7 +149,8 @@ def _finetune(ckpt: str, data: Any, fraction: float, steps: int, scratch: bool, 
                              from_scratch=scratch, **recipe)  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        check_val_every_n_epoch=10**6,  # validation once, after the training steps
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

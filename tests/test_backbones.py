@@ -45,7 +45,7 @@ def test_any_module_feature_size_is_probed_and_bad_modules_are_explained():
         build_backbone(module)
     with pytest.raises(ValueError, match=r"must return features of shape \(N, D\)"):
         build_backbone(nn.Conv2d(3, 4, 3), image_size=8)
-    with pytest.raises(ValueError, match="cifar_stem=True applies to ResNet-style backbones"):
+    with pytest.raises(ValueError, match=r"a small-image stem \(stem / cifar_stem\) applies to ResNet-style backbones"):
         build_backbone("mobilenet_v3_small", cifar_stem=True)
 
 

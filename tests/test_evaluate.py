@@ -22,7 +22,7 @@ def test_evaluate_prints_the_table_and_writes_its_files(tmp_path, capsys):
     fraction = result["fractions"]["0.05"]
     values += [fraction[k] for k in ("linear", "linear_pixels", "fine_tuned", "from_scratch")]
     assert all(0.0 <= v <= 1.0 for v in values) and result["rows"]["kNN k 20"]["pixels"] > 0.5  # pixels are strong
-    assert fraction["labels"] == 100 and (tmp_path / "evaluate.md").read_text().strip() == out.strip()
+    assert 95 <= fraction["labels"] <= 105 and (tmp_path / "evaluate.md").read_text().strip() == out.strip()
     assert (tmp_path / "evaluate.png").stat().st_size > 0
 
 

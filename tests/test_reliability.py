@@ -249,6 +249,7 @@ def test_an_export_says_what_it_holds_and_load_backbone_rebuilds_it(seeded, tmp_
         "in_channels": 1,
         "image_size": 28,
         "width": 0.5,
+        "stem": None,  # cifar_stem decides
     }
     backbone = load_backbone(out).eval()
     model.eval()
