@@ -115,8 +115,9 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
             config_path(args.config), *args.data_overrides, *overrides_of(params, space),
             f"{D}pretrain=false", f"{D}supervised_min_scale=1.0", f"{D}local_views=0",
         )[1]  # fmt: skip
+        columns = dict(scratch=False, full_linear=False, fine_tune=not args.fast, pixels=False)
         result = evaluate(str(folder / "last.ckpt"), held_out, fractions=(0.01,), ks=(20,), steps=args.finetune_steps,
-                          seed=args.seed, scratch=False, full_linear=False, fine_tune=not args.fast)  # fmt: skip
+                          seed=args.seed, **columns)  # fmt: skip
         scores = [result["rows"]["kNN k 20"]["encoder"], result["fractions"]["0.01"]["linear"]]
         if not args.fast:
             scores.append(result["fractions"]["0.01"]["fine_tuned"])

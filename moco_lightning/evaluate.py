@@ -80,10 +80,12 @@ def evaluate(
     full_linear: bool = True,
     fine_tune: bool = True,
     scratch: bool = True,
+    pixels: bool = True,
 ) -> dict:
     """The figures of :mod:`moco_lightning.evaluate` for the encoder of ``ckpt`` (a checkpoint of any method, or an
     export) on ``datamodule`` (an in-memory datamodule of this library; default: Fashion-MNIST's test split).
-    ``full_linear``, ``fine_tune``, ``scratch``: measure those columns (a search may skip the costly ones)."""
+    ``full_linear``, ``fine_tune``, ``scratch``, ``pixels``: measure those columns (a search skips the costly ones and
+    the raw pixels, which do not change between its trials)."""
     from lightning.pytorch import seed_everything
 
     from moco_lightning.callbacks import embed
@@ -101,7 +103,7 @@ def evaluate(
     cpu = torch.device("cpu")
     progress(f"evaluate: {ckpt}: features of the training and evaluation splits")
     splits = {}
-    for name, module in (("encoder", backbone), ("pixels", nn.Flatten())):
+    for name, module in (("encoder", backbone), ("pixels", nn.Flatten()))[: 2 if pixels else 1]:
         train = embed(module, dm.eval_train_dataloader(), cpu, gather=False, normalize=False)
         held = embed(module, dm.eval_val_dataloader(), cpu, gather=False, normalize=False)
         splits[name] = (train, held)
@@ -120,8 +122,9 @@ def evaluate(
         row = {
             "labels": len(idx),
             "linear": linear_top1(tuple(t[idx] for t in splits["encoder"][0]), splits["encoder"][1], classes),
-            "linear_pixels": linear_top1(tuple(t[idx] for t in splits["pixels"][0]), splits["pixels"][1], classes),
         }
+        if pixels:
+            row["linear_pixels"] = linear_top1(tuple(t[idx] for t in splits["pixels"][0]), splits["pixels"][1], classes)
         n_steps = steps or finetune_steps(len(idx))
         for column, from_scratch, wanted in (("fine_tuned", False, fine_tune), ("from_scratch", True, scratch)):
             if not wanted:
@@ -166,7 +169,7 @@ def markdown(result: dict) -> str:
         "",
         "| | encoder | raw pixels |",
         "|---|---|---|",
-        *(f"| {name} | {pct(v['encoder'])} | {pct(v['pixels'])} |" for name, v in result["rows"].items()),
+        *(f"| {name} | {pct(v['encoder'])} | {pct(v.get('pixels'))} |" for name, v in result["rows"].items()),
     ]
     if result["fractions"]:
         lines += [
@@ -178,7 +181,7 @@ def markdown(result: dict) -> str:
             gap = r.get("fine_tuned_minus_scratch")
             gap = "-" if gap is None else f"{100 * gap:+.2f}"
             lines.append(
-                f"| {100 * float(fraction):g} % ({r['labels']}) | {pct(r['linear'])} | {pct(r['linear_pixels'])} | "
+                f"| {100 * float(fraction):g} % ({r['labels']}) | {pct(r['linear'])} | {pct(r.get('linear_pixels'))} | "
                 f"{pct(r.get('fine_tuned'))} | {pct(r.get('from_scratch'))} | {gap} |"
             )
     return "\n".join(lines)
