@@ -55,6 +55,18 @@ SPACES: dict[str, dict[str, tuple[str, list]]] = {
         "batch_size": (D + "batch_size", [64, 128, 256]),
         "momentum_schedule": (M + "momentum_schedule", ["constant", "cosine"]),
     },
+    "demo": {  # the quickstart's budget (a few minutes on 2 cores): its stem and width, the views and the method
+        "min_scale": (D + "min_scale", [0.3, 0.6, 1.0]),
+        "translate": (D + "translate", [0, 2, 4]),
+        "erase_prob": (D + "erase_prob", [0.0, 0.25, 0.5]),
+        "jitter_strength": (D + "jitter_strength", [0.4, 0.8]),
+        "symmetric": (M + "symmetric", [False, True]),
+        "temperature": (M + "temperature", [0.1, 0.2, 0.3]),
+        "queue_size": (M + "queue_size", [1024, 4096]),
+        "lr": (M + "lr", [0.06, 0.12, 0.24]),
+        "batch_size": (D + "batch_size", [64, 128, 256]),
+        "momentum_schedule": (M + "momentum_schedule", ["constant", "cosine"]),
+    },
     "tiny": {
         "temperature": (M + "temperature", [0.1, 0.2, 0.5]),
         "erase_prob": (D + "erase_prob", [0.0, 0.5]),

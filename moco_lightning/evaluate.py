@@ -17,9 +17,9 @@ On the datamodule's evaluation views (default: Fashion-MNIST), beside the same m
   everywhere), both for the same ``max(600, 30 epochs)`` steps.
 
 The table is printed as Markdown and written with the figures (``evaluate.json``) and a plot of accuracy against
-the labelled fraction (``evaluate.png``) to ``--out`` (default ``runs/evaluate/<checkpoint name>``). ``--split val``
-holds the last 10 000 training images out as the evaluation split (``holdout``): select recipes on it, and report
-the chosen one once on the test split.
+the labelled fraction (``evaluate.png``) to ``--out`` (default ``runs/evaluate/<run>_<version>_<checkpoint>``).
+``--split val`` holds the last 10 000 training images out as the evaluation split (``holdout``): select recipes on
+it, and report the chosen one once on the test split.
 """
 
 from __future__ import annotations
@@ -212,13 +212,20 @@ def plot(result: dict, path: Path) -> Optional[Path]:
     ax.set_xscale("log")
     ax.set_xlabel("labelled fraction of the training split")
     ax.set_ylabel("top-1 (%)")
-    ax.set_title(Path(result["ckpt"]).name)
+    ax.set_title(run_name(result["ckpt"]))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def run_name(ckpt: str) -> str:
+    """A name for a checkpoint's results: its path without ``runs/``, ``checkpoints/`` and the suffix
+    (``runs/quickstart/version_0/checkpoints/last.ckpt`` -> ``quickstart_version_0_last``)."""
+    parts = [p for p in Path(ckpt).with_suffix("").parts if p not in ("runs", "checkpoints", "/", ".", "..")]
+    return "_".join(parts[-4:])
 
 
 def datamodule_of(config: Optional[str], split: str, fast: bool) -> Any:
@@ -287,7 +294,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     result["split"] = args.split
     table = markdown(result)
     print(table)
-    out = Path(args.out or Path("runs") / "evaluate" / Path(args.ckpt).stem)
+    out = Path(args.out or Path("runs") / "evaluate" / run_name(args.ckpt))
     out.mkdir(parents=True, exist_ok=True)
     (out / "evaluate.md").write_text(table + "\n")
     (out / "evaluate.json").write_text(json.dumps(result, indent=2) + "\n")
