@@ -162,6 +162,15 @@ def open_study(args):
     return study
 
 
+def report(study, trial) -> None:
+    """One line per finished trial: its state, objective, rungs and cost."""
+    rungs = ", ".join(f"epoch {e + 1}: {100 * v:.2f}" for e, v in sorted(trial.intermediate_values.items()))
+    value = f"{100 * trial.value:.2f} %" if trial.value is not None else "-"
+    attrs = {k: v for k, v in trial.user_attrs.items()}
+    print(f"trial {trial.number} {trial.state.name}: objective {value}; kNN k 20 by epoch: {rungs}; {attrs}; "
+          f"{trial.params}", flush=True)  # fmt: skip
+
+
 def write_results(study, args) -> None:
     """``<study>.csv`` of every trial and ``<study>.png``: the objective per trial, pruned trials at their last rung."""
     import matplotlib
@@ -216,7 +225,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.data_overrides = [f"{D}holdout={args.holdout}", f"{D}val_subset={args.holdout}"]
     if args.train_subset:
-        args.data_overrides.append(f"{D}train_subset={args.train_subset + args.holdout}")
+        args.data_overrides.append(f"{D}train_subset={args.train_subset}")  # of the images left after holdout
     quiet()
     t0 = time.perf_counter()
     header(f"Recipe search (Optuna): study {args.study}", args)
@@ -230,7 +239,8 @@ def main(argv=None) -> None:
     print(f"{len(finished)} trials already in the study, {left} to run", flush=True)
     if left:
         qe = qe_seconds(args)
-        study.optimize(objective_of(args, SPACES[args.space], qe), n_trials=left, catch=(RuntimeError,))
+        study.optimize(objective_of(args, SPACES[args.space], qe), n_trials=left, catch=(RuntimeError,),
+                       callbacks=[report])  # fmt: skip
     write_results(study, args)
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
     if done:

@@ -146,7 +146,7 @@ def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
     reaches 3 finished trials, and the CSV and the plot are written from it."""
     import optuna
 
-    args = ("--study", "tiny", "--space", "tiny", "--epochs", "1", "1", "--train-subset", "96", "--holdout", "64",
+    args = ("--study", "tiny", "--space", "tiny", "--epochs", "1", "1", "--train-subset", "160", "--holdout", "64",
             "--fast", "--timing-steps", "1", "--threads", "1", "--results", str(tmp_path))  # fmt: skip
     out = run("search", *args, "--trials", "2", timeout=600)
     assert "0 trials already in the study, 2 to run" in out and "best: trial" in out
