@@ -454,7 +454,20 @@ def main(args: Optional[list[str]] = None) -> None:
         from .evaluate import main as evaluate_main
 
         return evaluate_main(argv[1:])
-    run_cli(Pretraining, args, default_model=MoCo)
+    try:
+        run_cli(Pretraining, args, default_model=MoCo)
+    finally:
+        end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroys a DDP process group before the interpreter shuts down: a gloo group left to the interpreter's
+    finalisation sometimes aborted a finished run at exit ("terminate called without an active exception", SIGABRT),
+    its worker threads destroyed while still joinable; Lightning's own atexit handler runs too late for that."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_cli(

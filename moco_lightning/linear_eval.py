@@ -392,9 +392,12 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
 
 def main(args: Optional[list[str]] = None) -> None:
     """``python -m moco_lightning.linear_eval fit --config configs/linear_eval.yaml``"""
-    from .cli import run_cli  # the library's CLI, which ends fit with the final metrics
+    from .cli import end_process_group, run_cli  # the library's CLI, which ends fit with the final metrics
 
-    run_cli(LinearClassifier, args)
+    try:
+        run_cli(LinearClassifier, args)
+    finally:
+        end_process_group()
 
 
 if __name__ == "__main__":

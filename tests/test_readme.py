@@ -49,7 +49,7 @@ def readme_world(tmp_path, monkeypatch, seeded):
 
 
 def test_the_readme_has_the_blocks_this_test_checks():
-    assert len(BLOCKS) == 4, [b.splitlines()[0] for b in BLOCKS]
+    assert len(BLOCKS) == 3, [b.splitlines()[0] for b in BLOCKS]
 
 
 @pytest.mark.parametrize("number", range(len(BLOCKS)))
