@@ -2,7 +2,7 @@
 
 bf16 autocast pays only where bf16 is native: on a CUDA GPU with bf16 (Ampere and later) and on a CPU with bf16
 instructions, AMX tiles (Intel: measured 2.1x faster for a CIFAR-stem ResNet-18 on 28-px images) or AVX512-BF16
-(an AMD EPYC: 1.3x for the ImageNet stem, 1.7x for the stride-2 CIFAR stem, 2.3x for the CIFAR stem,
+(an AMD EPYC: 1.3x for the ImageNet stem, 1.5x for the stride-2 CIFAR stem, 1.9x for the CIFAR stem,
 ``benchmarks/results/precision.txt``); elsewhere it is emulated and slower (2.7x slower on an older AMD EPYC).
 A fixed ``precision:`` in a config is therefore wrong on one of the machines it meets; ``auto`` picks
 ``"bf16-mixed"`` where bf16 is native and ``"32-true"`` otherwise, and says which and why in one line. The losses,
