@@ -100,7 +100,6 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
     def objective(trial) -> float:
         import torch
         from lightning.pytorch import Trainer, seed_everything
-        from optuna_integration import PyTorchLightningPruningCallback
 
         from moco_lightning.callbacks import KNNMonitor
         from moco_lightning.evaluate import evaluate
@@ -108,7 +107,7 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         params = {name: trial.suggest_categorical(name, values) for name, (_, values) in space.items()}
         seed_everything(args.seed, verbose=False)
         model, data = from_config(config_path(args.config), *args.data_overrides, *overrides_of(params, space))
-        prune = PyTorchLightningPruningCallback(trial, monitor="val/knn_acc1")
+        prune = epoch_pruning(trial, "val/knn_acc1")
         folder = Path(args.results) / f"{args.study}_trials" / f"{trial.number}"
         trainer = Trainer(
             accelerator="cpu", max_epochs=args.epochs[-1], logger=False, enable_progress_bar=False,
@@ -139,6 +138,22 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         return sum(scores) / len(scores)
 
     return objective
+
+
+def epoch_pruning(trial, monitor: str):
+    """optuna-integration's Lightning pruning callback, reporting at the end of each training epoch, after the
+    ``KNNMonitor`` (listed before it) has measured there: it reports after validation, which a pretraining run with
+    ``limit_val_batches=0`` never runs, and which Lightning runs before the epoch's end hooks."""
+    from optuna_integration import PyTorchLightningPruningCallback
+
+    class EpochPruning(PyTorchLightningPruningCallback):
+        def on_validation_end(self, trainer, pl_module) -> None:
+            pass
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            super().on_validation_end(trainer, pl_module)
+
+    return EpochPruning(trial, monitor=monitor)
 
 
 def open_study(args):

@@ -154,6 +154,7 @@ def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
     first = study.trials[0]
     assert 0 <= first.value <= 1 and {"knn20", "linear_1pct", "qe", "train_s"} <= set(first.user_attrs)
+    assert list(first.intermediate_values) == [0] and 0 < first.intermediate_values[0] <= 1  # the epoch's kNN k 20
     assert first.value == pytest.approx((first.user_attrs["knn20"] + first.user_attrs["linear_1pct"]) / 2, abs=1e-3)
     stale = study.ask({"temperature": optuna.distributions.CategoricalDistribution([0.1, 0.2, 0.5]),
                        "erase_prob": optuna.distributions.CategoricalDistribution([0.0, 0.5])})  # fmt: skip
