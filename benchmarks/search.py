@@ -2,6 +2,7 @@
 
     python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # the search
     python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # again: resumes
+    python -m benchmarks.search --study demo_r4 --space demo --budget-qe 6 --epochs 2 6 --trials 40  # demo budget
     python -m benchmarks.search --study smoke --space tiny --epochs 1 2 --trials 3 --train-subset 512 \\
         --holdout 256 --fast --results /tmp/search                                                 # a smoke run
 
@@ -17,8 +18,14 @@ the last 10 000 images), and is judged on that held-out end:
   top-1 on frozen features with 1 % of the labels and the fine-tuned top-1 with 1 % of the labels, on the held-out
   split (``--fast``: kNN and linear only);
 - **cost**: each trial's training seconds, also in quickstart-epoch equivalents (1 QE: one epoch of
-  ``configs/quickstart.yaml``, timed in the same run), stored with the trial, as is the pretext task's last
-  ``train/acc1`` (near 1.0: the views no longer teach).
+  ``configs/quickstart.yaml``, timed in the same run at the same precision), stored with the trial, as is the
+  pretext task's last ``train/acc1`` (near 1.0: the views no longer teach);
+- **budget** (``--budget-qe B``): every trial gets the same training time, B QE, instead of the same epochs: its own
+  seconds per step are timed on a few steps first (a symmetric loss or a larger stem costs more per step and gets
+  fewer steps), and it trains for B QE worth of steps (cosine schedules over those steps). Without it a trial trains
+  for the last rung's epochs, whatever they cost;
+- **precision** (``--precision``, default ``auto``: :func:`moco_lightning.auto_precision`, bf16 where this machine
+  runs it natively) for the QE timing and every trial alike.
 
 The study lives in ``<results>/<study>.db`` (``--results``, default ``benchmarks/results``): run the same command
 after an interruption and it goes on (``load_if_exists``); a trial left running by a killed process is marked failed
@@ -55,14 +62,15 @@ SPACES: dict[str, dict[str, tuple[str, list]]] = {
         "batch_size": (D + "batch_size", [64, 128, 256]),
         "momentum_schedule": (M + "momentum_schedule", ["constant", "cosine"]),
     },
-    "demo": {  # the quickstart's budget (a few minutes on 2 cores): its stem and width, the views and the method
+    "demo": {  # the quickstart's budget (a few minutes on 2 cores): use with --budget-qe, stems cost unequal time
+        "stem": (M + "stem", ["imagenet", "cifar_stride2"]),
         "min_scale": (D + "min_scale", [0.3, 0.6, 1.0]),
         "translate": (D + "translate", [0, 2, 4]),
         "erase_prob": (D + "erase_prob", [0.0, 0.25, 0.5]),
         "jitter_strength": (D + "jitter_strength", [0.4, 0.8]),
         "symmetric": (M + "symmetric", [False, True]),
         "temperature": (M + "temperature", [0.1, 0.2, 0.3]),
-        "queue_size": (M + "queue_size", [1024, 4096]),
+        "queue_size": (M + "queue_size", [1024, 4096, 16384]),
         "lr": (M + "lr", [0.06, 0.12, 0.24]),
         "batch_size": (D + "batch_size", [64, 128, 256]),
         "momentum_schedule": (M + "momentum_schedule", ["constant", "cosine"]),
@@ -87,11 +95,26 @@ def qe_seconds(args) -> float:
 
     model, data = from_config(config_path(QE_CONFIG), *args.data_overrides)
     clock, warmup, steps = StepClock(), 2, args.timing_steps
-    Trainer(**trainer_kwargs(warmup + steps, [clock])).fit(model, datamodule=data)
+    Trainer(**trainer_kwargs(warmup + steps, [clock], precision=args.precision)).fit(model, datamodule=data)
     epoch_steps = 60000 // data.batch_size
     seconds = clock.seconds(warmup, steps) / steps * epoch_steps
-    print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG}: {epoch_steps} steps)", flush=True)
+    print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG}, {args.precision}: {epoch_steps} steps)",
+          flush=True)  # fmt: skip
     return seconds
+
+
+def steps_in_budget(args, overrides: list[str], qe: float) -> tuple[int, float]:
+    """(steps, seconds per step) of a trial given ``--budget-qe``: its own step time, on a few steps of a throw-away
+    copy of its model, scaled so that the trial trains for the budget."""
+    from lightning.pytorch import Trainer
+
+    from benchmarks._common import StepClock, trainer_kwargs
+
+    model, data = from_config(config_path(args.config), *args.data_overrides, *overrides)
+    clock, warmup, steps = StepClock(), 2, args.timing_steps
+    Trainer(**trainer_kwargs(warmup + steps, [clock], precision=args.precision)).fit(model, datamodule=data)
+    step_s = clock.seconds(warmup, steps) / steps
+    return max(1, round(args.budget_qe * qe / step_s)), step_s
 
 
 def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
@@ -105,20 +128,27 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         from moco_lightning.evaluate import evaluate
 
         params = {name: trial.suggest_categorical(name, values) for name, (_, values) in space.items()}
+        length = dict(max_epochs=args.epochs[-1])
+        if args.budget_qe:
+            steps, step_s = steps_in_budget(args, overrides_of(params, space), qe)
+            length = dict(max_epochs=-1, max_steps=steps)
+            trial.set_user_attr("steps", steps)
+            trial.set_user_attr("step_ms", round(1000 * step_s, 1))
         seed_everything(args.seed, verbose=False)
         model, data = from_config(config_path(args.config), *args.data_overrides, *overrides_of(params, space))
         prune = epoch_pruning(trial, "val/knn_acc1")
         folder = Path(args.results) / f"{args.study}_trials" / f"{trial.number}"
         trainer = Trainer(
-            accelerator="cpu", max_epochs=args.epochs[-1], logger=False, enable_progress_bar=False,
+            accelerator="cpu", precision=args.precision, logger=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
-            callbacks=[KNNMonitor(k=20, every_n_epochs=1), prune],
+            callbacks=[KNNMonitor(k=20, every_n_epochs=1), prune], **length,
         )  # fmt: skip
         t = time.perf_counter()
         trainer.fit(model, datamodule=data)
         seconds = time.perf_counter() - t
         trial.set_user_attr("train_s", round(seconds, 1))
         trial.set_user_attr("qe", round(seconds / qe, 2))
+        trial.set_user_attr("epochs", round(trainer.global_step / max(1, trainer.num_training_batches), 2))
         trial.set_user_attr("train_acc1", float(trainer.callback_metrics.get("train/acc1", torch.tensor(float("nan")))))
         folder.mkdir(parents=True, exist_ok=True)
         trainer.save_checkpoint(folder / "last.ckpt")
@@ -237,11 +267,17 @@ def main(argv=None) -> None:
     p.add_argument("--startup-trials", type=int, default=4, help="trials that are never pruned (the median's base)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--fast", action="store_true", help="objective of kNN and linear only (no fine-tuning)")
+    p.add_argument("--budget-qe", type=float, default=None, help="every trial trains for this many QE of time")
+    p.add_argument("--precision", default="auto", help="auto (moco_lightning.auto_precision), 32-true, bf16-mixed")
     args = p.parse_args(argv)
     args.data_overrides = [f"{D}holdout={args.holdout}", f"{D}val_subset={args.holdout}"]
     if args.train_subset:
         args.data_overrides.append(f"{D}train_subset={args.train_subset}")  # of the images left after holdout
     quiet()
+    if args.precision == "auto":
+        from moco_lightning import auto_precision
+
+        args.precision = auto_precision("cpu")
     t0 = time.perf_counter()
     header(f"Recipe search (Optuna): study {args.study}", args)
     import optuna

@@ -167,6 +167,53 @@ def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
     assert (tmp_path / "tiny.csv").read_text().count("\n") == 1 + 4 and (tmp_path / "tiny.png").stat().st_size > 0
 
 
+def test_the_search_gives_every_trial_the_same_training_time_with_a_budget(tmp_path):
+    """``--budget-qe``: each trial's steps come from its own timed step (a trial whose step costs more gets fewer
+    steps): steps x step time = the budget (0.1 QE, the QE timed in the same run), both stored with the trial."""
+    import re
+
+    import optuna
+
+    out = run("search", "--study", "budget", "--space", "tiny", "--epochs", "1", "2", "--train-subset", "160",
+              "--holdout", "64", "--fast", "--timing-steps", "2", "--threads", "1", "--results", str(tmp_path),
+              "--trials", "2", "--budget-qe", "0.1", "--precision", "32-true", timeout=600)  # fmt: skip
+    qe_s = float(re.search(r"1 QE = ([0-9.]+) s on this machine now \(quickstart, 32-true: 468 steps\)", out)[1])
+    study = optuna.load_study(study_name="budget", storage=f"sqlite:///{tmp_path / 'budget.db'}")
+    for t in study.trials:
+        assert t.state.name == "COMPLETE" and t.user_attrs["steps"] >= 1 and t.user_attrs["step_ms"] > 0
+        step_s = t.user_attrs["step_ms"] / 1000
+        assert abs(t.user_attrs["steps"] * step_s - 0.1 * qe_s) <= step_s / 2 + 0.01  # the nearest whole step
+        assert t.user_attrs["epochs"] == t.user_attrs["steps"]  # 160 images: one batch of 128 per epoch
+
+
+def test_curve_reads_a_runs_knn_and_probe_against_epochs(tmp_path):
+    """A 2-epoch fit logging to TensorBoard: the curve has the kNN at epochs 0 (random init), 1 and 2, the online
+    probe at epochs 1 and 2, the values the callbacks logged, and a PNG."""
+    import torch
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from benchmarks.curve import read
+    from moco_lightning import MoCo
+    from moco_lightning.callbacks import KNNMonitor, LinearProbe
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    torch.manual_seed(0)
+    moco = MoCo(backbone="resnet18", width=0.125, in_channels=1, image_size=28, queue_size=64, hidden_dim=16, dim=8)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    trainer = Trainer(accelerator="cpu", max_epochs=2, logger=logger, enable_checkpointing=False,
+                      enable_progress_bar=False, log_every_n_steps=1, limit_val_batches=1,
+                      callbacks=[KNNMonitor(k=5, pixel_baseline=True), LinearProbe()])  # fmt: skip
+    trainer.fit(moco, FashionMNISTDataModule(batch_size=32, train_subset=96, val_subset=32))
+    curves = read(logger.log_dir)
+    assert [x for x, _ in curves["val/knn_acc1"]] == [0.0, 1.0, 2.0]
+    assert curves["val/knn_acc1"][-1][1] == pytest.approx(float(trainer.callback_metrics["val/knn_acc1"]))
+    assert [x for x, _ in curves["val/probe_acc1"]] == [1.0, 2.0]
+    assert 0 <= curves["val/knn_acc1_pixels"][0][1] <= 1
+    out = run("curve", logger.log_dir, "--out", str(tmp_path / "c.png"))
+    assert "kNN top-1 (k 200)" in out and (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
     out = run(
         "methods.py",
