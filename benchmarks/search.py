@@ -29,9 +29,9 @@ the last 10 000 images), and is judged on that held-out end:
 
 The study lives in ``<results>/<study>.db`` (``--results``, default ``benchmarks/results``): run the same command
 after an interruption and it goes on (``load_if_exists``); a trial left running by a killed process is marked failed
-and its parameters are tried again. After the trials: ``<study>.csv`` (every trial) and ``<study>.png`` (the
-objective per trial, pruned ones at their last rung). Report the chosen recipe once on the test split with
-``moco-lightning evaluate``.
+and its parameters are tried again. After the trials: ``<study>.csv`` (every trial), ``<study>.md`` (the
+complete trials, best first) and ``<study>.png`` (the objective per trial, pruned ones at their last rung). Report
+the chosen recipe once on the test split with ``moco-lightning evaluate``.
 """
 
 from __future__ import annotations
@@ -235,8 +235,9 @@ def write_results(study, args) -> None:
             value = t.value if t.value is not None else ""
             params, user = (t.params.get(k, "") for k in names), (t.user_attrs.get(k, "") for k in attrs)
             writer.writerow([t.number, t.state.name, value, rung, *params, *user])
-    fig, ax = plt.subplots(figsize=(7, 4))
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    write_markdown(study, done, f"{out}.md")
+    fig, ax = plt.subplots(figsize=(7, 4))
     pruned = [t for t in study.trials if t.state == TrialState.PRUNED and t.intermediate_values]
     ax.scatter([t.number for t in done], [100 * t.value for t in done], label="objective (held-out split)")
     ax.scatter([t.number for t in pruned], [100 * t.intermediate_values[max(t.intermediate_values)] for t in pruned],
@@ -249,6 +250,24 @@ def write_results(study, args) -> None:
     fig.tight_layout()
     fig.savefig(f"{out}.png", dpi=120)
     plt.close(fig)
+
+
+def write_markdown(study, done: list, path: str) -> None:
+    """``<study>.md``: the complete trials best first (objective and its parts, cost, pretext accuracy, the settings
+    that differ between trials), then the number of pruned and failed ones."""
+    names = [k for k in sorted({k for t in done for k in t.params}) if len({t.params.get(k) for t in done}) > 1]
+    parts = [("knn20", "kNN k 20"), ("linear_1pct", "1 % linear"), ("finetuned_1pct", "1 % fine-tuned")]
+    head = ["trial", "objective", *(label for _, label in parts), "QE", "epochs", "pretext acc1", *names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in sorted(done, key=lambda t: -t.value):
+        a = t.user_attrs
+        cells = [str(t.number), f"{100 * t.value:.2f}", *(f"{100 * a[k]:.2f}" if k in a else "-" for k, _ in parts),
+                 str(a.get("qe", "-")), str(a.get("epochs", "-")), f"{a.get('train_acc1', float('nan')):.2f}",
+                 *(str(t.params.get(k, "-")) for k in names)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    states = [t.state.name for t in study.trials]
+    lines.append(f"\n{len(done)} complete, {states.count('PRUNED')} pruned, {states.count('FAIL')} failed trials.")
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> None:

@@ -165,6 +165,9 @@ def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
     assert states == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]
     assert study.trials[3].params == stale.params  # the interrupted configuration, tried again
     assert (tmp_path / "tiny.csv").read_text().count("\n") == 1 + 4 and (tmp_path / "tiny.png").stat().st_size > 0
+    table = (tmp_path / "tiny.md").read_text().splitlines()  # the 3 complete trials, best first
+    objectives = [float(line.split("|")[2]) for line in table[2:5]]
+    assert objectives == sorted(objectives, reverse=True) and table[-1] == "3 complete, 0 pruned, 1 failed trials."
 
 
 def test_the_search_gives_every_trial_the_same_training_time_with_a_budget(tmp_path):
