@@ -2,12 +2,17 @@
 against epochs, as a table and a PNG.
 
     python -m benchmarks.curve runs/quickstart/version_0 --out benchmarks/results/quickstart_curve.png
+    python -m benchmarks.curve runs/fashion_mnist_long/version_0 --checkpoints     # + the 1 %-label linear curve
 
 Reads the scalars the shipped configs log (``val/knn_acc1`` of the ``KNNMonitor``, ``val/probe_acc1`` of the
 ``LinearProbe``, the pretext ``train/acc1``, and the raw pixels' ``val/knn_acc1_pixels`` as a level line); the
 x-axis is the training epoch at which each value was logged (Lightning logs ``epoch`` beside every metric; the
 ``KNNMonitor``'s value at step 0 is the random-init encoder, epoch 0). Several runs in a row (a run resumed with
 ``--ckpt_path last`` logs into the same folder) are read in step order.
+
+``--checkpoints``: also the **1 %-label linear** top-1 (``moco-lightning evaluate``'s column: a linear classifier on
+the frozen features of 1 % of each class) of every ``epoch=*.ckpt`` the run kept (``ModelCheckpoint(every_n_epochs=N,
+save_top_k=-1)``, as ``configs/fashion_mnist_long.yaml``), on the datamodule ``evaluate`` uses by default.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ CURVES = {
     "val/knn_acc1": "kNN top-1 (k 200)",
     "val/probe_acc1": "online linear probe",
     "train/acc1": "pretext top-1 (InfoNCE)",
+    "low_label": "1 %-label linear (frozen)",
 }
 LEVEL = "val/knn_acc1_pixels"
 
@@ -47,6 +53,30 @@ def read(run: str | Path) -> dict[str, list[tuple[float, float]]]:
         if tag in tags:
             # an epoch-end value is logged at the epoch's last step: it belongs to the end of that epoch
             out[tag] = [(epoch_at(e.step) + (1.0 if e.step > 0 else 0.0), e.value) for e in events.Scalars(tag)]
+    return out
+
+
+def low_label_curve(run: str | Path, fraction: float = 0.01, datamodule=None) -> list[tuple[float, float]]:
+    """[(epoch, 1 %-label linear top-1), ...] of the run's ``checkpoints/epoch=E-step=S.ckpt`` files (epoch E + 1
+    done), with ``moco-lightning evaluate``'s linear column only; ``datamodule``: a function returning the
+    datamodule to evaluate on (default ``evaluate``'s own, Fashion-MNIST)."""
+    import re
+
+    from moco_lightning.evaluate import evaluate
+
+    found = []
+    for path in Path(run, "checkpoints").glob("epoch=*.ckpt"):
+        match = re.match(r"epoch=(\d+)-step=\d+", path.stem)
+        if match:
+            found.append((int(match[1]) + 1, path))
+    if not found:
+        raise SystemExit(f"{run}/checkpoints: no epoch=*.ckpt files: keep some with ModelCheckpoint(save_top_k=-1)")
+    out = []
+    for epoch, path in sorted(found):
+        dm = datamodule() if datamodule is not None else None
+        result = evaluate(str(path), dm, fractions=(fraction,), ks=(200,), full_linear=False, fine_tune=False,
+                          scratch=False, pixels=False, progress=lambda line: None)  # fmt: skip
+        out.append((float(epoch), result["fractions"][f"{fraction:g}"]["linear"]))
     return out
 
 
@@ -77,8 +107,11 @@ def main(argv=None) -> None:
     p = parser(__doc__)
     p.add_argument("run", help="a run folder with TensorBoard event files (runs/<name>/version_<n>)")
     p.add_argument("--out", default=None, help="the PNG (default: <run>/curve.png)")
+    p.add_argument("--checkpoints", action="store_true", help="also the 1 %%-label linear of each epoch checkpoint")
     args = p.parse_args(argv)
     curves = read(args.run)
+    if args.checkpoints:
+        curves["low_label"] = low_label_curve(args.run)
     rows = []
     for tag, label in CURVES.items():
         if tag in curves and tag != "train/acc1":  # the pretext accuracy is logged every few steps: plot only

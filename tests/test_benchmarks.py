@@ -191,12 +191,14 @@ def test_the_search_gives_every_trial_the_same_training_time_with_a_budget(tmp_p
 
 def test_curve_reads_a_runs_knn_and_probe_against_epochs(tmp_path):
     """A 2-epoch fit logging to TensorBoard: the curve has the kNN at epochs 0 (random init), 1 and 2, the online
-    probe at epochs 1 and 2, the values the callbacks logged, and a PNG."""
+    probe at epochs 1 and 2, the values the callbacks logged, the 1 %-label linear of each kept checkpoint, and a
+    PNG."""
     import torch
     from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from benchmarks.curve import read
+    from benchmarks.curve import low_label_curve, read
     from moco_lightning import MoCo
     from moco_lightning.callbacks import KNNMonitor, LinearProbe
     from moco_lightning.datamodules import FashionMNISTDataModule
@@ -204,11 +206,15 @@ def test_curve_reads_a_runs_knn_and_probe_against_epochs(tmp_path):
     torch.manual_seed(0)
     moco = MoCo(backbone="resnet18", width=0.125, in_channels=1, image_size=28, queue_size=64, hidden_dim=16, dim=8)
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
-    trainer = Trainer(accelerator="cpu", max_epochs=2, logger=logger, enable_checkpointing=False,
-                      enable_progress_bar=False, log_every_n_steps=1, limit_val_batches=1,
-                      callbacks=[KNNMonitor(k=5, pixel_baseline=True), LinearProbe()])  # fmt: skip
+    keep = ModelCheckpoint(every_n_epochs=1, save_top_k=-1)  # runs/run/version_0/checkpoints/epoch=E-step=S.ckpt
+    callbacks = [keep, KNNMonitor(k=5, pixel_baseline=True), LinearProbe()]
+    trainer = Trainer(accelerator="cpu", max_epochs=2, logger=logger, enable_progress_bar=False, log_every_n_steps=1,
+                      limit_val_batches=1, callbacks=callbacks)  # fmt: skip
     trainer.fit(moco, FashionMNISTDataModule(batch_size=32, train_subset=96, val_subset=32))
     curves = read(logger.log_dir)
+    tiny = lambda: FashionMNISTDataModule(pretrain=False, supervised_min_scale=1.0, train_subset=200, val_subset=50)  # noqa: E731
+    low = low_label_curve(logger.log_dir, fraction=0.5, datamodule=tiny)
+    assert [x for x, _ in low] == [1.0, 2.0] and all(0 <= v <= 1 for _, v in low)
     assert [x for x, _ in curves["val/knn_acc1"]] == [0.0, 1.0, 2.0]
     assert curves["val/knn_acc1"][-1][1] == pytest.approx(float(trainer.callback_metrics["val/knn_acc1"]))
     assert [x for x, _ in curves["val/probe_acc1"]] == [1.0, 2.0]

@@ -77,7 +77,7 @@ def test_a_timm_backbone_trains_through_the_cli(tmp_path, monkeypatch):
         str(ROOT / "configs" / "quickstart.yaml"),
         "--model.backbone=timm:resnet10t",
         "--model.width=1.0",
-        "--model.cifar_stem=true",
+        "--model.stem=cifar",
         "--model.channels_last=false",
         "--trainer.fast_dev_run=2",
         "--trainer.callbacks=[]",
