@@ -318,7 +318,7 @@ def make_reference(hp, batch_size: int, total_steps: Optional[int] = None):
         def __init__(self) -> None:
             super().__init__()
             self.backbone, feature_dim = build_backbone(
-                hp.backbone, hp.cifar_stem, hp.in_channels, hp.image_size, hp.width
+                hp.backbone, hp.cifar_stem, hp.in_channels, hp.image_size, hp.width, stem=hp.get("stem")
             )
             self.projection_head = MoCoProjectionHead(feature_dim, hp.hidden_dim, hp.dim)
             self.backbone_momentum = copy.deepcopy(self.backbone)

@@ -2,6 +2,7 @@
 MoCo's memory claim (a queued negative costs a 128-float vector, SimCLR's an image's activations).
 
     python -m benchmarks.methods --minutes 10 --out benchmarks/results/methods.png        # about 55 minutes
+    python -m benchmarks.methods --minutes 10 --override=--model.stem=imagenet     # the README's table's stem
     python -m benchmarks.methods --minutes 0.1 --eval-subset 2000 --probe-epochs 2 --negatives 64 128 \\
         --out /tmp/m.png                                                                    # a smoke run
 

@@ -97,7 +97,8 @@ class System:
     def build(self, total_steps: int):
         torch.manual_seed(self.args.seed)  # the same initial weights for every system with the same backbone
         if self.config == "reference":  # with the model settings of the first quickstart (fashion_mnist_moco_v2)
-            model, _ = from_config(config_path("fashion_mnist_moco_v2"), *self.overrides)
+            # and the stem of the systems it is compared with (the same architecture for every system)
+            model, _ = from_config(config_path("fashion_mnist_moco_v2"), f"--model.stem={self.stem()}", *self.overrides)
             ref = make_reference(model.hparams, self.batch_size(), total_steps)
             loader = reference_loader(*self.splits.pretrain, self.batch_size(), self.workers, seed=self.args.seed)
             return ref, {"train_dataloaders": loader}
@@ -105,6 +106,15 @@ class System:
         subset = (f"--data.init_args.train_subset={n}", "--data.init_args.val_subset=256")
         model, dm = from_config(config_path(self.config), *self.overrides, *subset)
         return model, {"datamodule": dm}
+
+    def stem(self) -> str:
+        """The stem of the first library system of ``--systems`` (the quickstart's without one), ``--override``s
+        applied: the reference's backbone is built with it."""
+        first = next((s for s in self.args.systems if s != "reference"), "quickstart")
+        from moco_lightning.backbones import resolve_stem
+
+        hp = from_config(config_path(first), *self.args.override)[0].hparams
+        return resolve_stem(hp.get("stem"), hp.get("cifar_stem", False))
 
     def batch_size(self) -> int:
         if not hasattr(self, "_batch_size"):
@@ -340,7 +350,10 @@ def write_results(out: Path, results: dict, args, title: str) -> None:
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["val", "test"], default="test", help="val: select on the last 10k train images")
     p.add_argument(
-        "--override", nargs="*", default=[], help="CLI overrides for every config, e.g. --data.init_args.seed=1"
+        "--override",
+        action="append",
+        default=[],
+        help="a CLI override for every config (repeatable): --override=--model.stem=cifar",
     )
     p.add_argument("--curve-points", type=int, default=5)
     p.add_argument("--curve-bank", type=int, default=10000)

@@ -223,6 +223,23 @@ def test_curve_reads_a_runs_knn_and_probe_against_epochs(tmp_path):
     assert "kNN top-1 (k 200)" in out and (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_the_reference_moco_gets_the_stem_of_the_systems_it_is_compared_with():
+    """quality.py's lightly-style reference is built with the stem of the first library system (the same
+    architecture for every system compared); ``--override``s count."""
+    import argparse
+
+    from benchmarks._common import from_config, make_reference
+    from benchmarks.quality import System
+
+    args = argparse.Namespace(systems=["quickstart", "reference"], override=[])
+    assert System("reference", args, None).stem() == "cifar_stride2"  # configs/quickstart.yaml's
+    args.override = ["--model.stem=imagenet"]
+    assert System("reference", args, None).stem() == "imagenet"
+    hp = from_config(ROOT / "configs" / "fashion_mnist_moco_v2.yaml", "--model.stem=cifar_stride2")[0].hparams
+    conv1 = make_reference(hp, 128).backbone.conv1
+    assert conv1.kernel_size == (3, 3) and conv1.stride == (2, 2)
+
+
 def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
     out = run(
         "methods.py",
