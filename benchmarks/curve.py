@@ -8,7 +8,8 @@ Reads the scalars the shipped configs log (``val/knn_acc1`` of the ``KNNMonitor`
 ``LinearProbe``, the pretext ``train/acc1``, and the raw pixels' ``val/knn_acc1_pixels`` as a level line); the
 x-axis is the training epoch at which each value was logged (Lightning logs ``epoch`` beside every metric; the
 ``KNNMonitor``'s value at step 0 is the random-init encoder, epoch 0). Several runs in a row (a run resumed with
-``--ckpt_path last`` logs into the same folder) are read in step order.
+``--ckpt_path last`` logs into the same folder) are read in step order; the pretext accuracy, logged every few
+steps, is averaged per epoch.
 
 ``--checkpoints``: also the **1 %-label linear** top-1 (``moco-lightning evaluate``'s column: a linear classifier on
 the frozen features of 1 % of each class) of every ``epoch=*.ckpt`` the run kept (``ModelCheckpoint(every_n_epochs=N,
@@ -25,7 +26,7 @@ from benchmarks._common import parser, print_table
 CURVES = {
     "val/knn_acc1": "kNN top-1 (k 200)",
     "val/probe_acc1": "online linear probe",
-    "train/acc1": "pretext top-1 (InfoNCE)",
+    "train/acc1": "pretext top-1 (InfoNCE, epoch mean)",
     "low_label": "1 %-label linear (frozen)",
 }
 LEVEL = "val/knn_acc1_pixels"
@@ -53,6 +54,11 @@ def read(run: str | Path) -> dict[str, list[tuple[float, float]]]:
         if tag in tags:
             # an epoch-end value is logged at the epoch's last step: it belongs to the end of that epoch
             out[tag] = [(epoch_at(e.step) + (1.0 if e.step > 0 else 0.0), e.value) for e in events.Scalars(tag)]
+    if "train/acc1" in out:  # logged every few steps: the mean of each epoch, at the epoch's end
+        by_epoch: dict[float, list[float]] = {}
+        for x, v in out["train/acc1"]:
+            by_epoch.setdefault(x, []).append(v)
+        out["train/acc1"] = [(x, sum(v) / len(v)) for x, v in sorted(by_epoch.items())]
     return out
 
 
@@ -90,7 +96,7 @@ def plot(curves: dict, out: Path, title: str) -> None:
     for tag, label in CURVES.items():
         if tag in curves:
             x, y = zip(*curves[tag])
-            ax.plot(x, [100 * v for v in y], marker="o" if tag != "train/acc1" else None, label=label)
+            ax.plot(x, [100 * v for v in y], marker="o" if len(x) < 60 else None, label=label)
     if LEVEL in curves:
         ax.axhline(100 * curves[LEVEL][0][1], color="grey", linestyle="--", label="raw pixels, kNN (k 200)")
     ax.set_xlabel("epoch")
@@ -114,7 +120,7 @@ def main(argv=None) -> None:
         curves["low_label"] = low_label_curve(args.run)
     rows = []
     for tag, label in CURVES.items():
-        if tag in curves and tag != "train/acc1":  # the pretext accuracy is logged every few steps: plot only
+        if tag in curves:
             rows += [[label, f"{x:.2f}", f"{100 * v:.2f}"] for x, v in curves[tag]]
     if LEVEL in curves:
         rows.append(["raw pixels, kNN (k 200)", "-", f"{100 * curves[LEVEL][0][1]:.2f}"])
