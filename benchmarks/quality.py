@@ -43,6 +43,8 @@ import torch
 from torch import nn
 
 from benchmarks._common import (
+    QE_CONFIG,
+    QE_OVERRIDES,
     StepClock,
     config_path,
     evaluate,
@@ -264,16 +266,19 @@ def run_system(
     return result
 
 
-QE_CONFIG, QE_IMAGES = "quickstart", 60000  # 1 QE: one epoch of configs/quickstart.yaml over the 60k train images
+QE_IMAGES = 60000  # 1 QE: one epoch of QE_CONFIG (with QE_OVERRIDES) over the 60k train images
 
 
 def quickstart_epoch_seconds(args, splits: Splits, sps: Optional[float] = None) -> float:
     """The wall time of one quickstart epoch on this machine now (``sps``: its seconds per step, if timed already)."""
-    system = System(QE_CONFIG, args, splits)
+    system = System(QE_CONFIG, args, splits, overrides=QE_OVERRIDES)
     sps = system.seconds_per_step() if sps is None else sps
     steps = QE_IMAGES // system.batch_size()
     qe = sps * steps
-    print(f"1 QE = {qe:.1f} s on this machine now (configs/{QE_CONFIG}.yaml: {sps:.4f} s/step x {steps} steps)\n")
+    print(
+        f"1 QE = {qe:.1f} s on this machine now (configs/{QE_CONFIG}.yaml {' '.join(QE_OVERRIDES)}: {sps:.4f} s/step "
+        f"x {steps} steps)\n"
+    )
     return qe
 
 

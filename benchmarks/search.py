@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks._common import ROOT, config_path, footer, from_config, header, parser, quiet
+from benchmarks._common import QE_CONFIG, QE_OVERRIDES, ROOT, config_path, footer, from_config, header, parser, quiet
 
 D, M = "--data.init_args.", "--model."
 
@@ -80,7 +80,6 @@ SPACES: dict[str, dict[str, tuple[str, list]]] = {
         "erase_prob": (D + "erase_prob", [0.0, 0.5]),
     },
 }
-QE_CONFIG = "quickstart"  # 1 QE: one epoch of this config over the 60k training images
 
 
 def overrides_of(params: dict, space: dict) -> list[str]:
@@ -93,12 +92,13 @@ def qe_seconds(args) -> float:
 
     from benchmarks._common import StepClock, trainer_kwargs
 
-    model, data = from_config(config_path(QE_CONFIG), *args.data_overrides)
+    model, data = from_config(config_path(QE_CONFIG), *QE_OVERRIDES, *args.data_overrides)
     clock, warmup, steps = StepClock(), 2, args.timing_steps
     Trainer(**trainer_kwargs(warmup + steps, [clock], precision=args.precision)).fit(model, datamodule=data)
     epoch_steps = 60000 // data.batch_size
     seconds = clock.seconds(warmup, steps) / steps * epoch_steps
-    print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG}, {args.precision}: {epoch_steps} steps)",
+    print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG} {' '.join(QE_OVERRIDES)}, {args.precision}: "
+          f"{epoch_steps} steps)",
           flush=True)  # fmt: skip
     return seconds
 
