@@ -86,17 +86,24 @@ def overrides_of(params: dict, space: dict) -> list[str]:
     return [f"{space[name][0]}={value}" for name, value in params.items()]
 
 
-def qe_seconds(args) -> float:
-    """Seconds of one quickstart epoch on this machine now: a few steps timed, scaled to the epoch's steps."""
+def step_seconds(args, config: str, *overrides: str) -> tuple[float, Any]:
+    """(seconds per step, datamodule) of a config with overrides on this machine now: ``args.timing_steps`` steps
+    timed after 2 warm-up steps, on a throw-away model, at ``args.precision``."""
     from lightning.pytorch import Trainer
 
     from benchmarks._common import StepClock, trainer_kwargs
 
-    model, data = from_config(config_path(QE_CONFIG), *QE_OVERRIDES, *args.data_overrides)
+    model, data = from_config(config_path(config), *args.data_overrides, *overrides)
     clock, warmup, steps = StepClock(), 2, args.timing_steps
     Trainer(**trainer_kwargs(warmup + steps, [clock], precision=args.precision)).fit(model, datamodule=data)
+    return clock.seconds(warmup, steps) / steps, data
+
+
+def qe_seconds(args) -> float:
+    """Seconds of one quickstart epoch on this machine now: a few steps timed, scaled to the epoch's steps."""
+    step_s, data = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
     epoch_steps = 60000 // data.batch_size
-    seconds = clock.seconds(warmup, steps) / steps * epoch_steps
+    seconds = step_s * epoch_steps
     print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG} {' '.join(QE_OVERRIDES)}, {args.precision}: "
           f"{epoch_steps} steps)",
           flush=True)  # fmt: skip
@@ -104,16 +111,9 @@ def qe_seconds(args) -> float:
 
 
 def steps_in_budget(args, overrides: list[str], qe: float) -> tuple[int, float]:
-    """(steps, seconds per step) of a trial given ``--budget-qe``: its own step time, on a few steps of a throw-away
-    copy of its model, scaled so that the trial trains for the budget."""
-    from lightning.pytorch import Trainer
-
-    from benchmarks._common import StepClock, trainer_kwargs
-
-    model, data = from_config(config_path(args.config), *args.data_overrides, *overrides)
-    clock, warmup, steps = StepClock(), 2, args.timing_steps
-    Trainer(**trainer_kwargs(warmup + steps, [clock], precision=args.precision)).fit(model, datamodule=data)
-    step_s = clock.seconds(warmup, steps) / steps
+    """(steps, seconds per step) of a trial given ``--budget-qe``: its own step time (:func:`step_seconds`), scaled
+    so that the trial trains for the budget."""
+    step_s, _ = step_seconds(args, args.config, *overrides)
     return max(1, round(args.budget_qe * qe / step_s)), step_s
 
 
