@@ -3,6 +3,8 @@
     python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # the search
     python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # again: resumes
     python -m benchmarks.search --study demo_r4 --space demo --budget-qe 6 --epochs 2 6 --trials 40  # demo budget
+    python -m benchmarks.search --study long_r4 --space long --config fashion_mnist_long --budget-qe 28 \
+        --epochs 8 20 --knn-every 4 --trials 4 --enqueue '{"min_scale": 1.0, ...}'  # 1/2 of the long budget
     python -m benchmarks.search --study smoke --space tiny --epochs 1 2 --trials 3 --train-subset 512 \\
         --holdout 256 --fast --results /tmp/search                                                 # a smoke run
 
@@ -37,6 +39,7 @@ the chosen recipe once on the test split with ``moco-lightning evaluate``.
 from __future__ import annotations
 
 import csv
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -74,6 +77,17 @@ SPACES: dict[str, dict[str, tuple[str, list]]] = {
         "lr": (M + "lr", [0.06, 0.12, 0.24]),
         "batch_size": (D + "batch_size", [64, 128, 256]),
         "momentum_schedule": (M + "momentum_schedule", ["constant", "cosine"]),
+    },
+    "long": {  # the long config's budget: the settings whose best value depends on the budget (the views, the loss)
+        "min_scale": (D + "min_scale", [0.6, 1.0]),
+        "translate": (D + "translate", [0, 2]),
+        "erase_prob": (D + "erase_prob", [0.25, 0.5]),
+        "local_views": (D + "local_views", [0, 2]),
+        "local_scale": (D + "local_scale", ["[0.2,0.5]"]),
+        "local_size": (D + "local_size", [16]),
+        "symmetric": (M + "symmetric", [False, True]),
+        "temperature": (M + "temperature", [0.1, 0.2]),
+        "queue_size": (M + "queue_size", [1024, 4096]),
     },
     "tiny": {
         "temperature": (M + "temperature", [0.1, 0.2, 0.5]),
@@ -136,12 +150,12 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
             trial.set_user_attr("step_ms", round(1000 * step_s, 1))
         seed_everything(args.seed, verbose=False)
         model, data = from_config(config_path(args.config), *args.data_overrides, *overrides_of(params, space))
-        prune = epoch_pruning(trial, "val/knn_acc1")
+        prune = epoch_pruning(trial, "val/knn_acc1", args.knn_every)
         folder = Path(args.results) / f"{args.study}_trials" / f"{trial.number}"
         trainer = Trainer(
             accelerator="cpu", precision=args.precision, logger=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
-            callbacks=[KNNMonitor(k=20, every_n_epochs=1), prune], **length,
+            callbacks=[KNNMonitor(k=20, every_n_epochs=args.knn_every), prune], **length,
         )  # fmt: skip
         t = time.perf_counter()
         trainer.fit(model, datamodule=data)
@@ -170,10 +184,11 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
     return objective
 
 
-def epoch_pruning(trial, monitor: str):
-    """optuna-integration's Lightning pruning callback, reporting at the end of each training epoch, after the
-    ``KNNMonitor`` (listed before it) has measured there: it reports after validation, which a pretraining run with
-    ``limit_val_batches=0`` never runs, and which Lightning runs before the epoch's end hooks."""
+def epoch_pruning(trial, monitor: str, every: int = 1):
+    """optuna-integration's Lightning pruning callback, reporting at the end of every ``every``-th training epoch,
+    after the ``KNNMonitor`` (listed before it, measuring at the same epochs) has measured there: it reports after
+    validation, which a pretraining run with ``limit_val_batches=0`` never runs, and which Lightning runs before the
+    epoch's end hooks."""
     from optuna_integration import PyTorchLightningPruningCallback
 
     class EpochPruning(PyTorchLightningPruningCallback):
@@ -181,14 +196,15 @@ def epoch_pruning(trial, monitor: str):
             pass
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
-            super().on_validation_end(trainer, pl_module)
+            if (trainer.current_epoch + 1) % every == 0:  # an epoch the kNN measured: no stale value is reported
+                super().on_validation_end(trainer, pl_module)
 
     return EpochPruning(trial, monitor=monitor)
 
 
 def open_study(args):
     """The study in ``<results>/<study>.db`` (created, or loaded to go on); trials a killed process left running are
-    marked failed and their parameters queued again."""
+    marked failed and their parameters queued again; ``--enqueue``'d settings not yet in the study are queued."""
     import optuna
     from optuna.trial import TrialState
 
@@ -204,6 +220,8 @@ def open_study(args):
         print(f"trial {trial.number} was left running (an interrupted run): marked failed, its parameters queued again")
         study.tell(trial.number, state=TrialState.FAIL)
         study.enqueue_trial(trial.params, skip_if_exists=False)
+    for params in args.enqueue:
+        study.enqueue_trial(params, skip_if_exists=True)
     return study
 
 
@@ -283,6 +301,11 @@ def main(argv=None) -> None:
     p.add_argument("--train-subset", type=int, default=None, help="smoke runs: the first N training images")
     p.add_argument("--finetune-steps", type=int, default=None, help="default: evaluate's max(600, 30 epochs)")
     p.add_argument("--timing-steps", type=int, default=8)
+    p.add_argument("--knn-every", type=int, default=1, help="the kNN (and the pruner) every this many epochs")
+    p.add_argument(
+        "--enqueue", type=json.loads, action="append", default=[], metavar="JSON",
+        help='settings to try first, e.g. the shipped recipe: \'{"temperature": 0.2, ...}\' (once per study)',
+    )  # fmt: skip
     p.add_argument("--startup-trials", type=int, default=4, help="trials that are never pruned (the median's base)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--fast", action="store_true", help="objective of kNN and linear only (no fine-tuning)")

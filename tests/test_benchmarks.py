@@ -191,6 +191,23 @@ def test_the_search_gives_every_trial_the_same_training_time_with_a_budget(tmp_p
         assert t.user_attrs["epochs"] == t.user_attrs["steps"]  # 160 images: one batch of 128 per epoch
 
 
+def test_the_search_tries_enqueued_settings_first_and_measures_knn_every_n_epochs(tmp_path):
+    """``--enqueue`` (the shipped recipe as the first trial, queued once per study) and ``--knn-every 2`` over 3
+    epochs: the kNN, and so the pruner, sees epoch 2 only (no stale value reported at epochs 1 and 3)."""
+    import optuna
+
+    shipped = '{"temperature": 0.5, "erase_prob": 0.0}'
+    args = ("--study", "queued", "--space", "tiny", "--epochs", "1", "3", "--train-subset", "160", "--holdout", "64",
+            "--fast", "--timing-steps", "1", "--threads", "1", "--results", str(tmp_path), "--knn-every", "2",
+            "--enqueue", shipped)  # fmt: skip
+    run("search", *args, "--trials", "1", timeout=600)
+    run("search", *args, "--trials", "1", timeout=600)  # again: nothing left to run, nothing queued twice
+    study = optuna.load_study(study_name="queued", storage=f"sqlite:///{tmp_path / 'queued.db'}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"]
+    assert study.trials[0].params == {"temperature": 0.5, "erase_prob": 0.0}
+    assert list(study.trials[0].intermediate_values) == [1]  # Lightning's epoch index 1: the second epoch
+
+
 def test_curve_reads_a_runs_knn_and_probe_against_epochs(tmp_path):
     """A 2-epoch fit logging to TensorBoard: the curve has the kNN at epochs 0 (random init), 1 and 2, the online
     probe at epochs 1 and 2, the values the callbacks logged, the 1 %-label linear of each kept checkpoint, and a
