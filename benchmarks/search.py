@@ -20,7 +20,8 @@ the last 10 000 images), and is judged on that held-out end:
   top-1 on frozen features with 1 % of the labels and the fine-tuned top-1 with 1 % of the labels, on the held-out
   split (``--fast``: kNN and linear only);
 - **cost**: each trial's training seconds, also in quickstart-epoch equivalents (1 QE: one epoch of
-  ``configs/quickstart.yaml``, timed in the same run at the same precision), stored with the trial, as is the
+  ``configs/quickstart.yaml``, timed at the same precision when the study is created and kept with it: a
+  resumed study keeps its unit), stored with the trial, as is the
   pretext task's last ``train/acc1`` (near 1.0: the views no longer teach);
 - **budget** (``--budget-qe B``): every trial gets the same training time, B QE, instead of the same epochs: its own
   seconds per step are timed on a few steps first (a symmetric loss or a larger stem costs more per step and gets
@@ -122,6 +123,20 @@ def qe_seconds(args) -> float:
           f"{epoch_steps} steps)",
           flush=True)  # fmt: skip
     return seconds
+
+
+def study_qe(study, args) -> float:
+    """The study's QE in seconds, fixed when the study is created (timed then, or ``--qe-seconds``) and reused when it
+    is resumed: the same machine timed 1 QE at 34.2, 46.1 and 63.7 s in one afternoon, and a unit re-timed at every
+    resumption would give the later trials another budget. ``--qe-seconds`` sets it (a study moved to another
+    machine)."""
+    stored = study.user_attrs.get("qe_s")
+    qe = args.qe_seconds or stored or qe_seconds(args)
+    if stored is None or args.qe_seconds:
+        study.set_user_attr("qe_s", qe)
+    else:
+        print(f"1 QE = {qe:.1f} s: the study's unit, timed when it was created (--qe-seconds sets another)", flush=True)
+    return qe
 
 
 def steps_in_budget(args, overrides: list[str], qe: float) -> tuple[int, float]:
@@ -310,6 +325,9 @@ def main(argv=None) -> None:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--fast", action="store_true", help="objective of kNN and linear only (no fine-tuning)")
     p.add_argument("--budget-qe", type=float, default=None, help="every trial trains for this many QE of time")
+    p.add_argument(
+        "--qe-seconds", type=float, default=None, help="the study's QE unit in seconds (default: timed once)"
+    )
     p.add_argument("--precision", default="auto", help="auto (moco_lightning.auto_precision), 32-true, bf16-mixed")
     args = p.parse_args(argv)
     args.data_overrides = [f"{D}holdout={args.holdout}", f"{D}val_subset={args.holdout}"]
@@ -331,7 +349,7 @@ def main(argv=None) -> None:
     left = max(0, args.trials - len(finished))
     print(f"{len(finished)} trials already in the study, {left} to run", flush=True)
     if left:
-        qe = qe_seconds(args)
+        qe = study_qe(study, args)
         study.optimize(objective_of(args, SPACES[args.space], qe), n_trials=left, catch=(RuntimeError,),
                        callbacks=[report])  # fmt: skip
     write_results(study, args)

@@ -156,10 +156,13 @@ def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
     assert 0 <= first.value <= 1 and {"knn20", "linear_1pct", "qe", "train_s"} <= set(first.user_attrs)
     assert list(first.intermediate_values) == [0] and 0 < first.intermediate_values[0] <= 1  # the epoch's kNN k 20
     assert first.value == pytest.approx((first.user_attrs["knn20"] + first.user_attrs["linear_1pct"]) / 2, abs=1e-3)
+    qe = study.user_attrs["qe_s"]  # the study's unit, timed once when it was created
+    assert f"1 QE = {qe:.1f} s on this machine now" in out
     stale = study.ask({"temperature": optuna.distributions.CategoricalDistribution([0.1, 0.2, 0.5]),
                        "erase_prob": optuna.distributions.CategoricalDistribution([0.0, 0.5])})  # fmt: skip
     out = run("search", *args, "--trials", "3", timeout=600)
     assert f"trial {stale.number} was left running" in out and "2 trials already in the study, 1 to run" in out
+    assert f"1 QE = {qe:.1f} s: the study's unit" in out and "on this machine now" not in out  # not timed again
     study = optuna.load_study(study_name="tiny", storage=f"sqlite:///{tmp_path / 'tiny.db'}")
     states = [t.state.name for t in study.trials]
     assert states == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]
