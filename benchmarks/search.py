@@ -276,6 +276,7 @@ def write_results(study, args) -> None:
     ax.scatter([t.number for t in pruned], [100 * t.intermediate_values[max(t.intermediate_values)] for t in pruned],
                marker="x", label="pruned: kNN k 20 at its last rung")  # fmt: skip
     ax.set_xlabel("trial")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # trial numbers, not 0.25 steps
     ax.set_ylabel("top-1 (%)")
     ax.set_title(f"study {args.study}: {len(done)} complete, {len(pruned)} pruned")
     ax.grid(alpha=0.3)
