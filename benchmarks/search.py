@@ -3,7 +3,7 @@
     python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # the search
     python -m benchmarks.search --study round4 --space fashion_mnist --epochs 2 4 8 --trials 40   # again: resumes
     python -m benchmarks.search --study demo_r4 --space demo --budget-qe 6 --epochs 2 6 --trials 40  # demo budget
-    python -m benchmarks.search --study long_r4 --space long --config fashion_mnist_long --budget-qe 28 \
+    python -m benchmarks.search --study long_r4 --space long --config fashion_mnist_long --budget-qe 28 \\
         --epochs 8 20 --knn-every 4 --trials 4 --enqueue '{"min_scale": 1.0, ...}'  # 1/2 of the long budget
     python -m benchmarks.search --study smoke --space tiny --epochs 1 2 --trials 3 --train-subset 512 \\
         --holdout 256 --fast --results /tmp/search                                                 # a smoke run
@@ -165,12 +165,13 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
             trial.set_user_attr("step_ms", round(1000 * step_s, 1))
         seed_everything(args.seed, verbose=False)
         model, data = from_config(config_path(args.config), *args.data_overrides, *overrides_of(params, space))
-        prune = epoch_pruning(trial, "val/knn_acc1", args.knn_every)
+        knn = KNNMonitor(k=20, every_n_epochs=args.knn_every)
+        prune = epoch_pruning(trial, knn, "val/knn_acc1")
         folder = Path(args.results) / f"{args.study}_trials" / f"{trial.number}"
         trainer = Trainer(
             accelerator="cpu", precision=args.precision, logger=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
-            callbacks=[KNNMonitor(k=20, every_n_epochs=args.knn_every), prune], **length,
+            callbacks=[knn, prune], **length,
         )  # fmt: skip
         t = time.perf_counter()
         trainer.fit(model, datamodule=data)
@@ -199,11 +200,11 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
     return objective
 
 
-def epoch_pruning(trial, monitor: str, every: int = 1):
-    """optuna-integration's Lightning pruning callback, reporting at the end of every ``every``-th training epoch,
-    after the ``KNNMonitor`` (listed before it, measuring at the same epochs) has measured there: it reports after
-    validation, which a pretraining run with ``limit_val_batches=0`` never runs, and which Lightning runs before the
-    epoch's end hooks."""
+def epoch_pruning(trial, knn, monitor: str):
+    """optuna-integration's Lightning pruning callback, reporting at the end of each training epoch at which the
+    ``KNNMonitor`` ``knn`` (listed before it) has measured (its ``measured_at``: with ``every_n_epochs`` > 1 the other
+    epochs would report a stale value): it reports after validation, which a pretraining run with
+    ``limit_val_batches=0`` never runs, and which Lightning runs before the epoch's end hooks."""
     from optuna_integration import PyTorchLightningPruningCallback
 
     class EpochPruning(PyTorchLightningPruningCallback):
@@ -211,7 +212,7 @@ def epoch_pruning(trial, monitor: str, every: int = 1):
             pass
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
-            if (trainer.current_epoch + 1) % every == 0:  # an epoch the kNN measured: no stale value is reported
+            if knn.measured_at.get(monitor) == trainer.global_step:  # the kNN measured at this epoch's end
                 super().on_validation_end(trainer, pl_module)
 
     return EpochPruning(trial, monitor=monitor)
