@@ -21,12 +21,17 @@ the last 10 000 images), and is judged on that held-out end:
   split (``--fast``: kNN and linear only);
 - **cost**: each trial's training seconds, also in quickstart-epoch equivalents (1 QE: one epoch of
   ``configs/quickstart.yaml``, timed at the same precision when the study is created and kept with it: a
-  resumed study keeps its unit), stored with the trial, as is the
-  pretext task's last ``train/acc1`` (near 1.0: the views no longer teach);
-- **budget** (``--budget-qe B``): every trial gets the same training time, B QE, instead of the same epochs: its own
-  seconds per step are timed on a few steps first (a symmetric loss or a larger stem costs more per step and gets
-  fewer steps), and it trains for B QE worth of steps (cosine schedules over those steps). Without it a trial trains
-  for the last rung's epochs, whatever they cost;
+  resumed study keeps its unit), with the kNN monitor's seconds apart (``knn_s``: evaluation, not training), stored
+  with the trial, as is the pretext task's last ``train/acc1`` (near 1.0: the views no longer teach);
+- **budget** (``--budget-qe B``): every trial gets the same training time, B QE, instead of the same epochs: its step
+  and the QE config's are timed in turn, ``--timing-rounds`` times (``--timing-steps`` steps each), and it trains for
+  ``B x 468 / ratio`` steps, the ratio being the median of the rounds' (cosine schedules over those steps): a
+  symmetric loss or a larger stem costs more per step and gets fewer steps. One timing of a few steps is noisy on a
+  shared 2-core VM (the same config timed 141-240 ms a step within two minutes). Planned 6-8 times in a row
+  (``--plan-check``, ``results/search_plan_check.txt``), a 28-QE budget spread 1.20x, 1.42x (8 steps a timing) and
+  1.18x (24 steps) from the median ratio, against 1.68x, 1.52x and 1.35x from one step timing over a unit timed
+  once (the planning before; same timings). A ratio is also the same budget in another session, where seconds timed
+  once are not. Without ``--budget-qe`` a trial trains for the last rung's epochs, whatever they cost;
 - **precision** (``--precision``, default ``auto``: :func:`moco_lightning.auto_precision`, bf16 where this machine
   runs it natively) for the QE timing and every trial alike.
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +54,7 @@ from typing import Any, Callable
 from benchmarks._common import QE_CONFIG, QE_OVERRIDES, ROOT, config_path, footer, from_config, header, parser, quiet
 
 D, M = "--data.init_args.", "--model."
+QE_STEPS = 60000 // 128  #: steps of 1 QE: one epoch of the QE config (60k images, batches of 128)
 
 #: named search spaces: setting -> (CLI override, the candidates); a Fashion-MNIST space and a tiny one for tests
 SPACES: dict[str, dict[str, tuple[str, list]]] = {
@@ -116,20 +123,19 @@ def step_seconds(args, config: str, *overrides: str) -> tuple[float, Any]:
 
 def qe_seconds(args) -> float:
     """Seconds of one quickstart epoch on this machine now: a few steps timed, scaled to the epoch's steps."""
-    step_s, data = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
-    epoch_steps = 60000 // data.batch_size
-    seconds = step_s * epoch_steps
+    step_s, _ = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
+    seconds = step_s * QE_STEPS
     print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG} {' '.join(QE_OVERRIDES)}, {args.precision}: "
-          f"{epoch_steps} steps)",
+          f"{QE_STEPS} steps)",
           flush=True)  # fmt: skip
     return seconds
 
 
 def study_qe(study, args) -> float:
-    """The study's QE in seconds, fixed when the study is created (timed then, or ``--qe-seconds``) and reused when it
-    is resumed: the same machine timed 1 QE at 34.2, 46.1 and 63.7 s in one afternoon, and a unit re-timed at every
-    resumption would give the later trials another budget. ``--qe-seconds`` sets it (a study moved to another
-    machine)."""
+    """The study's QE in seconds, the unit of each trial's reported cost (``qe``; a budget is planned from step ratios,
+    :func:`steps_in_budget`), fixed when the study is created (timed then, or ``--qe-seconds``) and reused when it is
+    resumed: the same machine timed 1 QE at 34.2, 46.1 and 63.7 s in one afternoon. ``--qe-seconds`` sets it (a
+    study moved to another machine)."""
     stored = study.user_attrs.get("qe_s")
     qe = args.qe_seconds or stored or qe_seconds(args)
     if stored is None or args.qe_seconds:
@@ -139,11 +145,60 @@ def study_qe(study, args) -> float:
     return qe
 
 
-def steps_in_budget(args, overrides: list[str], qe: float) -> tuple[int, float]:
-    """(steps, seconds per step) of a trial given ``--budget-qe``: its own step time (:func:`step_seconds`), scaled
-    so that the trial trains for the budget."""
-    step_s, _ = step_seconds(args, args.config, *overrides)
-    return max(1, round(args.budget_qe * qe / step_s)), step_s
+def step_ratio(args, overrides: list[str]) -> tuple[float, float, list[tuple[float, float]]]:
+    """(the trial's step / the QE config's step, the trial's seconds per step, the timings): both timed in turn,
+    ``--timing-rounds`` times (:func:`step_seconds`), the medians, and each round's (QE step, trial's step)."""
+    rounds = []
+    for _ in range(args.timing_rounds):
+        reference, _ = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
+        own, _ = step_seconds(args, args.config, *overrides)
+        rounds.append((reference, own))
+    ratio = statistics.median(own / reference for reference, own in rounds)
+    return ratio, statistics.median(own for _, own in rounds), rounds
+
+
+def steps_in_budget(args, overrides: list[str]) -> tuple[int, float, float]:
+    """(steps, cost ratio, seconds per step) of a trial given ``--budget-qe``: as many steps as B QE (B epochs of
+    the QE config, :data:`QE_STEPS` steps each) at the trial's cost ratio (:func:`step_ratio`)."""
+    ratio, step_s, _ = step_ratio(args, overrides)
+    return max(1, round(args.budget_qe * QE_STEPS / ratio)), ratio, step_s
+
+
+def plan_check(args, space: dict) -> None:
+    """``--plan-check R``: how reproducible a trial's budget is on this machine now. Each ``--enqueue``'d setting's
+    budget is planned R times; printed: the steps ``--budget-qe`` gives it each time when planned from seconds (the
+    QE unit timed once, at the start, and the setting's own step timed once: how studies were planned before the
+    ratio) and from the median ratio of ``--timing-rounds`` rounds (:func:`steps_in_budget`), with each plan's
+    largest / smallest, from the same timings."""
+    qe = None
+    for params in args.enqueue:
+        plans: dict[str, list[int]] = {"seconds": [], "ratio": []}
+        for _ in range(args.plan_check):
+            ratio, _, rounds = step_ratio(args, overrides_of(params, space))
+            qe = qe or rounds[0][0] * QE_STEPS  # the unit: timed once, the first time
+            plans["seconds"].append(round(args.budget_qe * qe / rounds[0][1]))
+            plans["ratio"].append(round(args.budget_qe * QE_STEPS / ratio))
+            print("timed (QE step, setting's step) ms:", [(round(1000 * a), round(1000 * b)) for a, b in rounds])
+        for name, steps in plans.items():
+            print(f"{params}: planned from {name}: {steps} steps, largest / smallest {max(steps) / min(steps):.3f}")
+
+
+def timed_knn(**kwargs):
+    """A ``KNNMonitor`` that adds up the seconds of its evaluations in ``seconds`` (a trial's time that is not
+    training)."""
+    from moco_lightning.callbacks import KNNMonitor
+
+    class TimedKNN(KNNMonitor):
+        seconds = 0.0
+
+        def evaluate(self, *args, **kw) -> dict[str, float]:
+            t = time.perf_counter()
+            try:
+                return super().evaluate(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+    return TimedKNN(**kwargs)
 
 
 def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
@@ -153,19 +208,19 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         import torch
         from lightning.pytorch import Trainer, seed_everything
 
-        from moco_lightning.callbacks import KNNMonitor
         from moco_lightning.evaluate import evaluate
 
         params = {name: trial.suggest_categorical(name, values) for name, (_, values) in space.items()}
         length = dict(max_epochs=args.epochs[-1])
         if args.budget_qe:
-            steps, step_s = steps_in_budget(args, overrides_of(params, space), qe)
+            steps, ratio, step_s = steps_in_budget(args, overrides_of(params, space))
             length = dict(max_epochs=-1, max_steps=steps)
             trial.set_user_attr("steps", steps)
+            trial.set_user_attr("step_ratio", round(ratio, 4))
             trial.set_user_attr("step_ms", round(1000 * step_s, 1))
         seed_everything(args.seed, verbose=False)
         model, data = from_config(config_path(args.config), *args.data_overrides, *overrides_of(params, space))
-        knn = KNNMonitor(k=20, every_n_epochs=args.knn_every)
+        knn = timed_knn(k=20, every_n_epochs=args.knn_every)
         prune = epoch_pruning(trial, knn, "val/knn_acc1")
         folder = Path(args.results) / f"{args.study}_trials" / f"{trial.number}"
         trainer = Trainer(
@@ -177,7 +232,8 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         trainer.fit(model, datamodule=data)
         seconds = time.perf_counter() - t
         trial.set_user_attr("train_s", round(seconds, 1))
-        trial.set_user_attr("qe", round(seconds / qe, 2))
+        trial.set_user_attr("qe", round(seconds / qe, 2))  # the whole fit, the kNN monitor's share in knn_s
+        trial.set_user_attr("knn_s", round(knn.seconds, 1))
         trial.set_user_attr("epochs", round(trainer.global_step / max(1, trainer.num_training_batches), 2))
         trial.set_user_attr("train_acc1", float(trainer.callback_metrics.get("train/acc1", torch.tensor(float("nan")))))
         folder.mkdir(parents=True, exist_ok=True)
@@ -287,9 +343,14 @@ def write_results(study, args) -> None:
     plt.close(fig)
 
 
+def qe_cell(attrs: dict) -> str:
+    """A trial's QE of wall time, with the kNN monitor's seconds where the study measured them."""
+    return str(attrs.get("qe", "-")) + (f" (kNN {attrs['knn_s']} s)" if "knn_s" in attrs else "")
+
+
 def write_markdown(study, done: list, path: str) -> None:
-    """``<study>.md``: the complete trials best first (objective and its parts, cost, pretext accuracy, the settings
-    that differ between trials), then the number of pruned and failed ones."""
+    """``<study>.md``: the complete trials best first (objective and its parts, cost with the kNN monitor's share,
+    pretext accuracy, the settings that differ between trials), then the number of pruned and failed ones."""
     names = [k for k in sorted({k for t in done for k in t.params}) if len({t.params.get(k) for t in done}) > 1]
     parts = [("knn20", "kNN k 20"), ("linear_1pct", "1 % linear"), ("finetuned_1pct", "1 % fine-tuned")]
     head = ["trial", "objective", *(label for _, label in parts), "QE", "epochs", "pretext acc1", *names]
@@ -297,7 +358,7 @@ def write_markdown(study, done: list, path: str) -> None:
     for t in sorted(done, key=lambda t: -t.value):
         a = t.user_attrs
         cells = [str(t.number), f"{100 * t.value:.2f}", *(f"{100 * a[k]:.2f}" if k in a else "-" for k, _ in parts),
-                 str(a.get("qe", "-")), str(a.get("epochs", "-")), f"{a.get('train_acc1', float('nan')):.2f}",
+                 qe_cell(a), str(a.get("epochs", "-")), f"{a.get('train_acc1', float('nan')):.2f}",
                  *(str(t.params.get(k, "-")) for k in names)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     states = [t.state.name for t in study.trials]
@@ -317,7 +378,10 @@ def main(argv=None) -> None:
     p.add_argument("--holdout", type=int, default=10000, help="the held-out end of the training split (selection)")
     p.add_argument("--train-subset", type=int, default=None, help="smoke runs: the first N training images")
     p.add_argument("--finetune-steps", type=int, default=None, help="default: evaluate's max(600, 30 epochs)")
-    p.add_argument("--timing-steps", type=int, default=8)
+    p.add_argument("--timing-steps", type=int, default=24, help="steps of one timing, after 2 warm-up steps")
+    p.add_argument(
+        "--timing-rounds", type=int, default=3, help="--budget-qe: trial and QE config timed in turn this many times"
+    )
     p.add_argument("--knn-every", type=int, default=1, help="the kNN (and the pruner) every this many epochs")
     p.add_argument(
         "--enqueue", type=json.loads, action="append", default=[], metavar="JSON",
@@ -330,6 +394,8 @@ def main(argv=None) -> None:
     p.add_argument(
         "--qe-seconds", type=float, default=None, help="the study's QE unit in seconds (default: timed once)"
     )
+    p.add_argument("--plan-check", type=int, default=0, metavar="R",
+                   help="only time the --enqueue'd settings' budgets R times, planned two ways (no trial)")  # fmt: skip
     p.add_argument("--precision", default="auto", help="auto (moco_lightning.auto_precision), 32-true, bf16-mixed")
     args = p.parse_args(argv)
     args.data_overrides = [f"{D}holdout={args.holdout}", f"{D}val_subset={args.holdout}"]
@@ -346,6 +412,11 @@ def main(argv=None) -> None:
     from optuna.trial import TrialState
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if args.plan_check:
+        if not (args.budget_qe and args.enqueue):
+            p.error("--plan-check needs --budget-qe and the settings to plan (--enqueue)")
+        plan_check(args, SPACES[args.space])
+        return footer(t0)
     study = open_study(args)
     finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
     left = max(0, args.trials - len(finished))

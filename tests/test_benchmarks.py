@@ -174,24 +174,53 @@ def test_the_search_keeps_its_study_and_goes_on_after_an_interruption(tmp_path):
 
 
 def test_the_search_gives_every_trial_the_same_training_time_with_a_budget(tmp_path):
-    """``--budget-qe``: each trial's steps come from its own timed step (a trial whose step costs more gets fewer
-    steps): steps x step time = the budget (0.1 QE, the QE timed in the same run), both stored with the trial."""
-    import re
-
+    """``--budget-qe``: each trial's steps come from its step timed against the QE config's (a trial whose step costs
+    more gets fewer steps): steps x cost ratio = the budget (0.1 QE of 468 steps), both stored with the trial, and
+    the kNN monitor's seconds apart from the training's."""
     import optuna
 
     out = run("search", "--study", "budget", "--space", "tiny", "--epochs", "1", "2", "--train-subset", "160",
-              "--holdout", "64", "--fast", "--timing-steps", "2", "--threads", "1", "--results", str(tmp_path),
-              "--trials", "2", "--budget-qe", "0.1", "--precision", "32-true", timeout=600)  # fmt: skip
-    # the unit: the quickstart with the ImageNet stem of rounds 1-3, whatever stem the shipped quickstart has now
-    unit = r"1 QE = ([0-9.]+) s on this machine now \(quickstart --model.stem=imagenet, 32-true: 468 steps\)"
-    qe_s = float(re.search(unit, out)[1])
+              "--holdout", "64", "--fast", "--timing-steps", "2", "--timing-rounds", "1", "--threads", "1",
+              "--results", str(tmp_path), "--trials", "2", "--budget-qe", "0.1", "--precision", "32-true",
+              timeout=600)  # fmt: skip
+    # the unit of the reported cost: the quickstart with the ImageNet stem of rounds 1-3, whatever the shipped one has
+    assert "s on this machine now (quickstart --model.stem=imagenet, 32-true: 468 steps)" in out
     study = optuna.load_study(study_name="budget", storage=f"sqlite:///{tmp_path / 'budget.db'}")
     for t in study.trials:
-        assert t.state.name == "COMPLETE" and t.user_attrs["steps"] >= 1 and t.user_attrs["step_ms"] > 0
-        step_s = t.user_attrs["step_ms"] / 1000
-        assert abs(t.user_attrs["steps"] * step_s - 0.1 * qe_s) <= step_s / 2 + 0.01  # the nearest whole step
-        assert t.user_attrs["epochs"] == t.user_attrs["steps"]  # 160 images: one batch of 128 per epoch
+        a = t.user_attrs
+        assert t.state.name == "COMPLETE" and a["steps"] >= 1 and a["step_ms"] > 0 and a["step_ratio"] > 0
+        assert abs(a["steps"] * a["step_ratio"] - 0.1 * 468) <= a["step_ratio"] / 2 + 0.01  # the nearest whole step
+        assert a["epochs"] == a["steps"]  # 160 images: one batch of 128 per epoch
+        assert 0 < a["knn_s"] < a["train_s"]  # a kNN every epoch, inside the fit's time
+
+
+def test_a_budget_is_planned_from_the_median_ratio_of_interleaved_timings(monkeypatch, capsys):
+    """``step_ratio`` times the QE config and the trial in turn and takes the median of the per-round ratios, so one
+    slow timing of either moves nothing; ``--plan-check`` prints both plans from the same timings."""
+    from benchmarks import search
+
+    timings = iter([0.1, 0.2, 0.3, 0.2, 0.1, 0.25, 0.1, 0.4, 0.1, 0.2, 0.1, 0.2])  # (QE, trial) in turn
+    calls = []
+
+    def fake(args, config, *overrides):
+        calls.append(config)
+        return next(timings), None
+
+    monkeypatch.setattr(search, "step_seconds", fake)
+    monkeypatch.setattr(search, "quiet", lambda: None)  # main's logging levels would outlive this test
+    args = type("Args", (), dict(timing_rounds=3, budget_qe=2, config="fashion_mnist_long"))()
+    steps, ratio, step_s = search.steps_in_budget(args, [])
+    assert calls == ["quickstart", "fashion_mnist_long"] * 3
+    assert ratio == 2.0 and step_s == 0.2 and steps == round(2 * 468 / 2.0)  # ratios 2, 0.67, 2.5: the median
+    search.main(["--study", "plan", "--space", "tiny", "--config", "fashion_mnist_long", "--budget-qe", "2",
+                 "--timing-rounds", "3", "--plan-check", "1", "--enqueue", '{"temperature": 0.2}',
+                 "--threads", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "timed (QE step, setting's step) ms: [(100, 400), (100, 200), (100, 200)]" in out
+    # from seconds: 2 QE of 0.1 s x 468 over the first, slow 0.4 s step; from the ratios 4, 2, 2: their median
+    assert "planned from seconds: [234] steps" in out and "planned from ratio: [468] steps" in out
+    with pytest.raises(SystemExit):
+        search.main(["--study", "plan", "--space", "tiny", "--plan-check", "1", "--threads", "1"])  # nothing to plan
 
 
 def test_the_search_tries_enqueued_settings_first_and_measures_knn_every_n_epochs(tmp_path):
