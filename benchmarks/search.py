@@ -398,6 +398,9 @@ def main(argv=None) -> None:
                    help="only time the --enqueue'd settings' budgets R times, planned two ways (no trial)")  # fmt: skip
     p.add_argument("--precision", default="auto", help="auto (moco_lightning.auto_precision), 32-true, bf16-mixed")
     args = p.parse_args(argv)
+    for name in ("timing_steps", "timing_rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     args.data_overrides = [f"{D}holdout={args.holdout}", f"{D}val_subset={args.holdout}"]
     if args.train_subset:
         args.data_overrides.append(f"{D}train_subset={args.train_subset}")  # of the images left after holdout

@@ -221,6 +221,10 @@ def test_a_budget_is_planned_from_the_median_ratio_of_interleaved_timings(monkey
     assert "planned from seconds: [234] steps" in out and "planned from ratio: [468] steps" in out
     with pytest.raises(SystemExit):
         search.main(["--study", "plan", "--space", "tiny", "--plan-check", "1", "--threads", "1"])  # nothing to plan
+    assert "--plan-check needs --budget-qe and the settings to plan (--enqueue)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        search.main(["--study", "plan", "--space", "tiny", "--budget-qe", "2", "--timing-rounds", "0"])  # no timing
+    assert "--timing-rounds must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_the_search_tries_enqueued_settings_first_and_measures_knn_every_n_epochs(tmp_path):
