@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the budget unit, 1 QE: one epoch (60k images) of ``configs/quickstart.yaml`` with the ImageNet stem it had in
 #: rounds 1-3, so that the unit stays the same when the shipped quickstart changes (round 4: ``cifar_stride2``)
 QE_CONFIG, QE_OVERRIDES = "quickstart", ("--model.stem=imagenet",)
+QE_IMAGES = 60000  #: 1 QE is one epoch of QE_CONFIG (with QE_OVERRIDES) over these, the 60k train images
 CONFIGS = ROOT / "configs"
 FASHION_MEAN, FASHION_STD = (0.2860,), (0.3530,)
 

@@ -44,6 +44,7 @@ from torch import nn
 
 from benchmarks._common import (
     QE_CONFIG,
+    QE_IMAGES,
     QE_OVERRIDES,
     StepClock,
     config_path,
@@ -264,9 +265,6 @@ def run_system(
         flush=True,
     )
     return result
-
-
-QE_IMAGES = 60000  # 1 QE: one epoch of QE_CONFIG (with QE_OVERRIDES) over the 60k train images
 
 
 def quickstart_epoch_seconds(args, splits: Splits, sps: Optional[float] = None) -> float:

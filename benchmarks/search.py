@@ -25,13 +25,14 @@ the last 10 000 images), and is judged on that held-out end:
   with the trial, as is the pretext task's last ``train/acc1`` (near 1.0: the views no longer teach);
 - **budget** (``--budget-qe B``): every trial gets the same training time, B QE, instead of the same epochs: its step
   and the QE config's are timed in turn, ``--timing-rounds`` times (``--timing-steps`` steps each), and it trains for
-  ``B x 468 / ratio`` steps, the ratio being the median of the rounds' (cosine schedules over those steps): a
-  symmetric loss or a larger stem costs more per step and gets fewer steps. One timing of a few steps is noisy on a
-  shared 2-core VM (the same config timed 141-240 ms a step within two minutes). Planned 6-8 times in a row
-  (``--plan-check``, ``results/search_plan_check.txt``), a 28-QE budget spread 1.20x, 1.42x (8 steps a timing) and
-  1.18x (24 steps) from the median ratio, against 1.68x, 1.52x and 1.35x from one step timing over a unit timed
-  once (the planning before; same timings). A ratio is also the same budget in another session, where seconds timed
-  once are not. Without ``--budget-qe`` a trial trains for the last rung's epochs, whatever they cost;
+  ``B x 468 / ratio`` steps (468: the QE config's steps in one epoch), the ratio being the median of the rounds'
+  (cosine schedules over those steps): a symmetric loss or a larger stem costs more per step and gets fewer steps.
+  One timing of a few steps is noisy on a shared 2-core VM (the same config timed 141-240 ms a step within two
+  minutes). Planned 6-8 times in a row (``--plan-check``, ``results/search_plan_check.txt``), a 28-QE budget spread
+  1.20x, 1.42x (8 steps a timing) and 1.18x (24 steps) from the median ratio, against 1.68x, 1.52x and 1.35x from one
+  step timing over a unit timed once (the planning before; same timings). A ratio does not depend on the machine's
+  overall speed that session, where a unit in seconds timed once does. Without ``--budget-qe`` a trial trains for the
+  last rung's epochs, whatever they cost;
 - **precision** (``--precision``, default ``auto``: :func:`moco_lightning.auto_precision`, bf16 where this machine
   runs it natively) for the QE timing and every trial alike.
 
@@ -51,10 +52,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks._common import QE_CONFIG, QE_OVERRIDES, ROOT, config_path, footer, from_config, header, parser, quiet
+from benchmarks._common import (
+    QE_CONFIG,
+    QE_IMAGES,
+    QE_OVERRIDES,
+    ROOT,
+    config_path,
+    footer,
+    from_config,
+    header,
+    parser,
+    quiet,
+)
 
 D, M = "--data.init_args.", "--model."
-QE_STEPS = 60000 // 128  #: steps of 1 QE: one epoch of the QE config (60k images, batches of 128)
 
 #: named search spaces: setting -> (CLI override, the candidates); a Fashion-MNIST space and a tiny one for tests
 SPACES: dict[str, dict[str, tuple[str, list]]] = {
@@ -123,10 +134,11 @@ def step_seconds(args, config: str, *overrides: str) -> tuple[float, Any]:
 
 def qe_seconds(args) -> float:
     """Seconds of one quickstart epoch on this machine now: a few steps timed, scaled to the epoch's steps."""
-    step_s, _ = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
-    seconds = step_s * QE_STEPS
+    step_s, data = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
+    epoch_steps = QE_IMAGES // data.batch_size
+    seconds = step_s * epoch_steps
     print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG} {' '.join(QE_OVERRIDES)}, {args.precision}: "
-          f"{QE_STEPS} steps)",
+          f"{epoch_steps} steps)",
           flush=True)  # fmt: skip
     return seconds
 
@@ -145,23 +157,24 @@ def study_qe(study, args) -> float:
     return qe
 
 
-def step_ratio(args, overrides: list[str]) -> tuple[float, float, list[tuple[float, float]]]:
-    """(the trial's step / the QE config's step, the trial's seconds per step, the timings): both timed in turn,
-    ``--timing-rounds`` times (:func:`step_seconds`), the medians, and each round's (QE step, trial's step)."""
+def step_ratio(args, overrides: list[str]) -> tuple[float, float, int, list[tuple[float, float]]]:
+    """(the trial's step / the QE config's step, the trial's seconds per step, the QE config's steps in 1 QE, the
+    timings): both timed in turn, ``--timing-rounds`` times (:func:`step_seconds`), the medians, and each round's
+    (QE step, trial's step)."""
     rounds = []
     for _ in range(args.timing_rounds):
-        reference, _ = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
+        reference, qe_data = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
         own, _ = step_seconds(args, args.config, *overrides)
         rounds.append((reference, own))
     ratio = statistics.median(own / reference for reference, own in rounds)
-    return ratio, statistics.median(own for _, own in rounds), rounds
+    return ratio, statistics.median(own for _, own in rounds), QE_IMAGES // qe_data.batch_size, rounds
 
 
 def steps_in_budget(args, overrides: list[str]) -> tuple[int, float, float]:
     """(steps, cost ratio, seconds per step) of a trial given ``--budget-qe``: as many steps as B QE (B epochs of
-    the QE config, :data:`QE_STEPS` steps each) at the trial's cost ratio (:func:`step_ratio`)."""
-    ratio, step_s, _ = step_ratio(args, overrides)
-    return max(1, round(args.budget_qe * QE_STEPS / ratio)), ratio, step_s
+    the QE config) at the trial's cost ratio (:func:`step_ratio`)."""
+    ratio, step_s, qe_steps, _ = step_ratio(args, overrides)
+    return max(1, round(args.budget_qe * qe_steps / ratio)), ratio, step_s
 
 
 def plan_check(args, space: dict) -> None:
@@ -174,10 +187,10 @@ def plan_check(args, space: dict) -> None:
     for params in args.enqueue:
         plans: dict[str, list[int]] = {"seconds": [], "ratio": []}
         for _ in range(args.plan_check):
-            ratio, _, rounds = step_ratio(args, overrides_of(params, space))
-            qe = qe or rounds[0][0] * QE_STEPS  # the unit: timed once, the first time
+            ratio, _, qe_steps, rounds = step_ratio(args, overrides_of(params, space))
+            qe = qe or rounds[0][0] * qe_steps  # the unit: timed once, the first time
             plans["seconds"].append(round(args.budget_qe * qe / rounds[0][1]))
-            plans["ratio"].append(round(args.budget_qe * QE_STEPS / ratio))
+            plans["ratio"].append(round(args.budget_qe * qe_steps / ratio))
             print("timed (QE step, setting's step) ms:", [(round(1000 * a), round(1000 * b)) for a, b in rounds])
         for name, steps in plans.items():
             print(f"{params}: planned from {name}: {steps} steps, largest / smallest {max(steps) / min(steps):.3f}")

@@ -204,7 +204,7 @@ def test_a_budget_is_planned_from_the_median_ratio_of_interleaved_timings(monkey
 
     def fake(args, config, *overrides):
         calls.append(config)
-        return next(timings), None
+        return next(timings), type("Data", (), dict(batch_size=128))()  # the quickstart's batch: 468 steps in 1 QE
 
     monkeypatch.setattr(search, "step_seconds", fake)
     monkeypatch.setattr(search, "quiet", lambda: None)  # main's logging levels would outlive this test
