@@ -14,6 +14,7 @@ attribute of Lightning.
 - ``strategy._layer_sync``: whether ``sync_batchnorm`` is on.
 - ``module._ddp_params_and_buffers_to_ignore``: buffers DDP must not re-broadcast from rank 0 on every forward
   (torch's ``DistributedDataParallel`` reads it when it wraps the module).
+- ``CSVLogger._experiment``: whether its writer exists yet (creating it deletes the version's ``metrics.csv``).
 - ``core.saving._load_state``: build a module from a checkpoint already read (``load_from_checkpoint`` minus
   its own ``torch.load``).
 - ``LightningCLI._parse_ckpt_path`` (replaced: it builds a ``--ckpt_path`` run's model from the checkpoint's
@@ -61,12 +62,13 @@ def batches_done_in_epoch(trainer: Any) -> int:
 
 
 def reopen_cut_epoch(checkpoint: dict) -> bool:
-    """Makes a checkpoint written when ``max_steps`` stopped a run mid-epoch resume *inside* that epoch.
+    """Makes a checkpoint written when a run stopped mid-epoch (``max_steps``, a preemption) resume *inside* that epoch.
 
-    Lightning counts such an epoch as completed (``epoch_progress``), so a run extended with a larger ``max_steps``
-    and ``ckpt_path`` started the next epoch and silently skipped the rest of the cut one, while the training loader
-    (its saved position: epoch e, b batches) would have continued it. The epoch's batch progress says it was cut
-    (``is_last_batch`` false after some batches): its epoch is counted as started, not finished, as in a checkpoint
+    Lightning counts such an epoch as processed once its ``on_train_epoch_end`` runs (where ``ModelCheckpoint``
+    saves), so a run resumed with a larger ``max_steps`` started the next epoch and silently skipped the rest of the
+    cut one (or, when ``max_epochs`` bound, trained nothing: "max_epochs reached"), while the training loader (its
+    saved position: epoch e, b batches) would have continued it. The epoch's batch progress says it was cut
+    (``is_last_batch`` false after some batches): the epoch is counted as started, not processed, as in a checkpoint
     written mid-epoch by ``every_n_train_steps``. Returns whether it changed anything."""
     fit = (checkpoint.get("loops") or {}).get("fit_loop")
     if not fit:
@@ -75,13 +77,24 @@ def reopen_cut_epoch(checkpoint: dict) -> bool:
     if not batches or not epochs or batches.get("is_last_batch", True) or not batches["current"]["ready"]:
         return False
     current = epochs["current"]
-    if current["completed"] < 1 or current["completed"] != current["ready"]:
-        return False  # already mid-epoch (a step checkpoint), or nothing finished
+    epoch = current["ready"] - 1  # the cut epoch's index
+    if (
+        current["started"] != current["ready"]
+        or current["processed"] != current["ready"]
+        or current["completed"] < epoch
+    ):
+        return False  # saved mid-epoch (a step checkpoint: Lightning resumes it itself), or nothing started
+    finished = current["completed"] - epoch  # 1 when saved after on_train_epoch_end, 0 when inside it
     for counts in (epochs["current"], epochs["total"]):
         counts["processed"] -= 1
-        counts["completed"] -= 1
-    checkpoint["epoch"] = current["completed"]
+        counts["completed"] -= finished
+    checkpoint["epoch"] = epoch
     return True
+
+
+def experiment_created(logger: Any) -> bool:
+    """Whether a ``CSVLogger`` made its writer yet (creating it deletes the version's ``metrics.csv``)."""
+    return getattr(logger, "_experiment", None) is not None
 
 
 def given_hyperparameters() -> dict:

@@ -22,6 +22,7 @@ from .backbones import build_backbone, is_backbone_spec
 from .batches import is_views_batch, split_views
 from .distributed import equal_batches, world_size
 from .errors import check_arguments
+from .log_history import read_csv_history
 from .nan_guard import NanGuard
 
 
@@ -89,6 +90,8 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         self._resume: dict = {}  # what the checkpoint being restored holds for the run: RNG states, step plan
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
         self._stepped = 0  # global_step when optimizer_stepped() last said so
+        self._csv_history: list = []  # CSV loggers' rows of the run a checkpoint continues (read before Lightning
+        # deletes them)
 
     # --- features ---------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
@@ -119,6 +122,9 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         return []
 
     # --- fit start / end --------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        self._csv_history = read_csv_history(self.trainer)  # a resumed run keeps them (on_load_checkpoint)
+
     def setup(self, stage: str) -> None:
         ckpt.load_checkpoints_safely(self.trainer)  # before the Trainer restores a ckpt_path
         _lightning.keep_out_of_ddp_broadcast(self, self.dictionary_buffers())

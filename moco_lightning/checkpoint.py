@@ -251,6 +251,7 @@ def restore_state(module: Any, checkpoint: dict) -> dict:
     """``on_load_checkpoint`` of the pretraining modules: an older format upgraded, the format and the structure
     checked, an epoch a ``max_steps`` stop cut short re-opened; returns what the run resumes (RNG states, step plan)."""
     from ._lightning import reopen_cut_epoch
+    from .log_history import keep_history
 
     who = type(module).__name__
     upgrade(checkpoint, type(module))
@@ -258,6 +259,9 @@ def restore_state(module: Any, checkpoint: dict) -> dict:
     check_format(meta, who)
     check_structure(checkpoint.get("hyper_parameters", {}), module.hparams, module.STRUCTURAL, who)
     reopen_cut_epoch(checkpoint)
+    if module._trainer is not None:
+        keep_history(module.trainer, module._csv_history, checkpoint.get("global_step", 0))
+    module._csv_history = []
     return {"rng": this_ranks_rng_states(meta), "plan": meta.get("step_plan")}
 
 

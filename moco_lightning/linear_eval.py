@@ -35,6 +35,7 @@ from . import _lightning
 from . import checkpoint as ckpt
 from .backbones import build_backbone
 from .errors import ConfigError
+from .log_history import keep_history, read_csv_history
 
 __all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main", "pretrained_backbone"]
 
@@ -252,10 +253,15 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
         self.val_acc1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
         self.val_acc5 = MulticlassAccuracy(num_classes, top_k=top5, average="micro")
 
+    def prepare_data(self) -> None:
+        self._csv_history = read_csv_history(self.trainer)  # a resumed run keeps them (on_load_checkpoint)
+
     def setup(self, stage: str) -> None:
         hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
         ckpt.load_checkpoints_safely(self.trainer)
         self._check_data(dm)
+        if stage == "fit":
+            self._check_classes(dm)
         if stage == "fit" and (hp.label_fraction is not None or hp.labels_per_class is not None):
             self._select_labels()
         if self.head is None:
@@ -294,14 +300,11 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
                 "evaluate a backbone pretrained on such images"
             )
 
-    def _select_labels(self) -> None:
-        """Restricts the datamodule's training split to the seeded, class-stratified label subset (once per fit)."""
-        hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
-        if not (hasattr(dm, "train_targets") and hasattr(dm, "select_train")):
-            raise ConfigError(
-                f"LinearClassifier: label_fraction/labels_per_class need a datamodule with train_targets() and "
-                f"select_train(indices) (every in-memory datamodule of moco_lightning); {type(dm).__name__} has not"
-            )
+    def _check_classes(self, dm: Any) -> None:
+        """Every class has training images (with or without a label subset): a classifier could never predict a
+        class it never saw. Checked where the datamodule can say (``train_targets()``)."""
+        if not hasattr(dm, "train_targets"):
+            return
         targets = torch.as_tensor(dm.train_targets()).long()
         classes = getattr(dm, "num_classes", None) or (self.head.out_features if self.head is not None else None)
         present = set(torch.unique(targets[targets >= 0]).tolist())
@@ -312,6 +315,16 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
                 f"{missing[:10]}{', ...' if len(missing) > 10 else ''}): the classifier could never predict those; "
                 "train on a split with every class (a larger data.train_subset, or none)"
             )
+
+    def _select_labels(self) -> None:
+        """Restricts the datamodule's training split to the seeded, class-stratified label subset (once per fit)."""
+        hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
+        if not (hasattr(dm, "train_targets") and hasattr(dm, "select_train")):
+            raise ConfigError(
+                f"LinearClassifier: label_fraction/labels_per_class need a datamodule with train_targets() and "
+                f"select_train(indices) (every in-memory datamodule of moco_lightning); {type(dm).__name__} has not"
+            )
+        targets = torch.as_tensor(dm.train_targets()).long()
         self.labelled_indices = balanced_subset(targets, hp.label_fraction, hp.labels_per_class, hp.label_seed)
         dm.select_train(self.labelled_indices)
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None  # no logger: checkpoints only
@@ -329,6 +342,9 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         _lightning.reopen_cut_epoch(checkpoint)  # a run stopped by max_steps mid-epoch continues that epoch
+        if self._trainer is not None:
+            keep_history(self.trainer, getattr(self, "_csv_history", []), checkpoint.get("global_step", 0))
+        self._csv_history = []
 
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --
     def train(self, mode: bool = True) -> "LinearClassifier":

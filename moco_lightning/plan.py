@@ -2,8 +2,10 @@
 
 - lr is given per 256 images and scaled by the global batch, per-device batch × devices × accumulation (He et al.
   2020, §4: "lr 0.03 for batch 256"; Goyal et al. 2017's linear scaling rule).
-- :class:`StepPlan`: the steps the schedules are planned over, kept in the checkpoint; a resumed run given another
-  length stretches the rest of its schedules instead of restarting them, and another global batch rescales the lr.
+- :class:`StepPlan`: the steps the schedules are planned over, kept in the checkpoint. A run resumed with another
+  length (``--trainer.max_epochs N+k``: "train longer") follows, from the step it resumes at, the schedules of a
+  run planned for its new length, as if it had been planned so from the start; another global batch rescales the
+  lr. :func:`change_length` (a budget measured inside a running fit) stretches the rest of the schedules instead.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ from .errors import ConfigError
 
 
 class StepPlan:
-    """The optimizer steps a run's lr and momentum schedules are planned over, kept continuous when a resumed run is
-    given another length.
+    """The optimizer steps a run's lr and momentum schedules are planned over.
 
-    A run planned over ``planned`` steps and resumed at step ``s`` with ``--trainer.max_steps`` / ``max_epochs``
-    changed (so the run now ends at ``total``) would restart a cosine computed for the new length: a jump of the lr.
-    Instead the rest of the planned schedule is stretched (or shrunk) over the steps that are left: :meth:`position`
-    maps a step to its place on the planned schedule, piecewise linear through one knot per re-plan (continuous at
-    ``s``, the planned end at ``total``). Warm-up and milestones stay in the planned steps. Saved in the checkpoint,
-    with the global batch the lr was scaled for.
+    :meth:`position` maps an optimizer step to its place on the schedules planned over ``planned`` steps; it is the
+    step itself unless the length changed:
+
+    - :meth:`replan` (a run resumed with another length): from ``step`` on, the schedules are those of a run planned
+      for ``total`` steps, as if it had been planned so from the start (``planned`` becomes ``total``). A finished
+      run extended with ``max_epochs N+k`` thus trains its added steps on the cosine of N+k epochs (at step s, the
+      lr that run would have) instead of the end of the finished one (lr 0). Warm-up and milestones keep their steps.
+    - :meth:`stretch` (a fit in progress given another length, :func:`change_length`): what is left of the planned
+      schedules is stretched over the steps up to ``total``, piecewise linear through one knot per change
+      (continuous at ``step``, the planned end at ``total``).
+
+    Saved in the checkpoint, with the global batch the lr was scaled for.
     """
 
     def __init__(self, planned: float, warmup: int, milestones: Sequence[int], global_batch: int) -> None:
@@ -49,7 +56,11 @@ class StepPlan:
         return float(step)
 
     def replan(self, step: int, total: float) -> None:
-        """From ``step`` on, what is left of the planned schedule spans the steps up to ``total``."""
+        """From ``step`` on, the schedules of a run planned for ``total`` steps (a run resumed with another length)."""
+        self.knots, self.planned, self.total = [(step, float(step))], total, total
+
+    def stretch(self, step: int, total: float) -> None:
+        """From ``step`` on, what is left of the planned schedules spans the steps up to ``total``."""
         self.knots.append((step, self.position(step)))
         self.total = total
 
@@ -82,24 +93,39 @@ def configure_optimizers(module: Any, saved_plan: dict | None) -> tuple[dict, St
     else:
         warmup, milestones = round(hp.warmup_epochs * spe), [m * spe for m in hp.lr_milestones]
         plan = StepPlan(trainer.estimated_stepping_batches, warmup, milestones, batch)
-    factor = optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(plan.position(step)))
+    optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)  # refuses a cosine without an end
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(module, plan, step))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}, plan
 
 
+def lr_factor(module: Any, plan: StepPlan, step: int) -> float:
+    """The multiplier of the peak lr at optimizer ``step``, on the plan as it is now (a resume may re-plan it)."""
+    hp = module.hparams
+    return optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)(plan.position(step))
+
+
 def continue_plan(module: Any, plan: StepPlan) -> None:
-    """On resume (``on_train_start``, everything restored): a run given another length stretches the rest of its
-    schedules; another global batch rescales the lr (given per 256 images). Each with a warning that says what
-    changed."""
+    """On resume (``on_train_start``, everything restored): a run given another length follows the schedules planned
+    for its new length from this step on (:meth:`StepPlan.replan`); another global batch rescales the lr (given per
+    256 images). Each with a warning that says what changed, the step the run ends at and the lr it follows."""
     trainer, step = module.trainer, module.global_step
     total = steps_at_end(trainer, step)
     if math.isfinite(plan.planned) and total != plan.total and step < total:
+        before = plan.total
+        plan.replan(step, total)
+        factors = [lr_factor(module, plan, step), lr_factor(module, plan, int(total) - 1)]
+        for config in trainer.lr_scheduler_configs:  # the restored lr is the old plan's: this step's on the new one
+            scheduler = config.scheduler
+            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+                group["lr"] = base * factors[0]
+        peak = module.hparams.lr * plan.global_batch / 256
+        now, last = peak * factors[0], peak * factors[1]
         warnings.warn(
-            f"the resumed run ends at step {total}, not {plan.total} as planned: the rest of the lr and momentum "
-            f"schedules from step {step} is stretched over the {total - step} steps left (no restart, no jump)",
+            f"resumed at step {step}, the run now ends at step {int(total)} (the checkpoint's run was planned for "
+            f"{before:g} steps): from step {step} on, the lr and momentum schedules are those of a run planned for "
+            f"{int(total)} steps ({module.hparams.lr_schedule} lr: {now:.4g} now, {last:.4g} at the last step)",
             stacklevel=2,
         )
-        plan.replan(step, total)
     batch = global_batch_size(module)
     if batch != plan.global_batch:
         ratio = batch / plan.global_batch
@@ -120,23 +146,23 @@ def continue_plan(module: Any, plan: StepPlan) -> None:
 
 def change_length(module: Any, total: int) -> None:
     """A fit in progress now ends at optimizer step ``total`` (e.g. a wall-time budget measured in the run): the
-    rest of the lr and momentum schedules stretches over the steps left (:meth:`StepPlan.replan`: continuous now,
+    rest of the lr and momentum schedules stretches over the steps left (:meth:`StepPlan.stretch`: continuous now,
     the planned end at ``total``), and the trainer stops there."""
     from ._lightning import set_max_steps
 
-    module.step_plan.replan(module.global_step, total)
+    module.step_plan.stretch(module.global_step, total)
     set_max_steps(module.trainer, total)
 
 
 def steps_at_end(trainer: Any, step: int) -> float:
     """The global step at which this (resumed) run will stop: max_steps, or the end of max_epochs from the
-    position restored in the current epoch, whichever comes first."""
+    position restored in the current epoch, whichever comes first (at ``on_train_start``)."""
     end = math.inf
     if trainer.max_epochs not in (None, -1) and math.isfinite(trainer.num_training_batches):
         batches = trainer.num_training_batches
         epoch, done = trainer.current_epoch, batches_done_in_epoch(trainer)
-        if done >= batches:  # saved at the end of an epoch
-            epoch, done = epoch + 1, 0
+        if done >= batches:  # saved at the end of an epoch: Lightning already counts the next one as current
+            done = 0
         end = step + ((trainer.max_epochs - epoch) * batches - done) // trainer.accumulate_grad_batches
     return min(end, trainer.max_steps) if trainer.max_steps != -1 else end
 

@@ -115,3 +115,19 @@ class KillAt(Callback):
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordSchedules(Callback):
+    """The lr each optimizer step uses (at its start) and the momentum it logs (``train/momentum``: the m of the
+    update that follows it), by global step."""
+
+    def __init__(self) -> None:
+        self.lrs, self.momenta = {}, {}
+
+    def on_train_batch_start(self, trainer, *args, **kwargs) -> None:
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        momentum = trainer.callback_metrics.get("train/momentum")
+        if momentum is not None:
+            self.momenta[trainer.global_step - 1] = float(momentum)

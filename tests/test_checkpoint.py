@@ -148,3 +148,82 @@ def test_ckpt_path_last_skips_a_refused_newest_checkpoint_saying_why(evil, tmp_p
 def test_the_previous_formats_checkpoints_load_weights_only(name):
     checkpoint = read_checkpoint(Path(__file__).parent / "fixtures" / "format2" / f"{name}.ckpt")
     assert checkpoint["moco_lightning"]["format_version"] == 2 and checkpoint["global_step"] == 2
+
+
+# --- a resumed run keeps its logs ----------------------------------------------------------------
+LOGGED_RUN = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  max_steps: {steps}
+  max_epochs: -1
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  num_sanity_val_steps: 0
+  limit_val_batches: 1
+  logger:
+    class_path: {logger}
+    init_args: {{save_dir: "{root}", name: run, version: 0}}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: "{root}/ckpt", every_n_train_steps: 1, save_top_k: -1, filename: "{{step}}"}}
+    - class_path: moco_lightning.callbacks.KNNMonitor
+      init_args: {{k: 5}}
+model:
+  backbone: resnet18
+  width: 0.0625
+  in_channels: 1
+  image_size: 28
+  hidden_dim: 16
+  dim: 8
+  queue_size: 32
+  lr_schedule: constant
+data:
+  class_path: moco_lightning.datamodules.FashionMNISTDataModule
+  init_args: {{batch_size: 16, train_subset: 64, val_subset: 32}}
+"""
+
+
+def _history(folder: Path, logger: str) -> list:
+    """Every row of a CSVLogger's metrics.csv, or every scalar TensorBoard shows for the version (it reads all the
+    events files of the folder, dropping the steps a restarted writer logs again)."""
+    import csv
+
+    version = folder / "run" / "version_0"
+    if logger == "csv":
+        with open(version / "metrics.csv", newline="") as f:
+            return list(csv.DictReader(f))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(version))
+    events.Reload()
+    tags = [t for t in sorted(events.Tags()["scalars"]) if t != "hp_metric"]  # Lightning's placeholder: -1 at step 0
+    return [(tag, e.step, e.value) for tag in tags for e in events.Scalars(tag)]
+
+
+@pytest.mark.parametrize("logger", ["csv", "tensorboard"])
+def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, monkeypatch):
+    """A run stopped after step 7 (rows logged up to step 6) and resumed from its step-5 checkpoint into the same
+    version ends with the same history, row for row and value for value, as the run never stopped: the rows before
+    the checkpoint are kept (Lightning's CSV writer deleted them), the ones after it are logged again, once."""
+    import warnings
+
+    monkeypatch.chdir(tmp_path)
+    cls = {"csv": "lightning.pytorch.loggers.CSVLogger", "tensorboard": "lightning.pytorch.loggers.TensorBoardLogger"}
+
+    def fit(root: Path, steps: int, *extra: str) -> None:
+        config = tmp_path / f"{root.name}_{steps}.yaml"
+        config.write_text(LOGGED_RUN.format(steps=steps, logger=cls[logger], root=root))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_cli(Pretraining, ["fit", "--config", str(config), *extra], default_model=MoCo)
+
+    fit(tmp_path / "straight", 8)
+    fit(tmp_path / "stopped", 7)
+    stopped = _history(tmp_path / "stopped", logger)
+    fit(tmp_path / "stopped", 8, "--ckpt_path", str(tmp_path / "stopped" / "ckpt" / "step=5.ckpt"))
+    straight, resumed = _history(tmp_path / "straight", logger), _history(tmp_path / "stopped", logger)
+    assert len(straight) > 8 and resumed == straight
+    steps = {int(float(r["step"])) for r in stopped} if logger == "csv" else {s for _, s, _ in stopped}
+    assert max(steps) == 6  # the stopped run had logged past the checkpoint it is resumed from

@@ -28,11 +28,13 @@ def test_the_private_names_the_library_uses_still_exist():
 
 
 def test_reopen_cut_epoch_reads_the_loop_layout_lightning_writes():
-    """The checkpoint layout of a max_steps stop after 2 of 4 batches (as lightning 2.6 writes it) is re-opened;
-    an epoch that ended, or a step checkpoint already mid-epoch, is left alone."""
+    """The checkpoint layouts of a max_steps stop after 2 of 4 batches (as lightning 2.6 writes them: inside
+    ``on_train_epoch_end``, where ModelCheckpoint saves, the epoch is processed but not completed; after it, both)
+    are re-opened; an epoch that ended, or a step checkpoint already mid-epoch, is left alone."""
 
-    def loops(completed: int, ready: int, last: bool) -> dict:
-        counts = {"ready": ready, "started": ready, "processed": completed, "completed": completed}
+    def loops(completed: int, ready: int, last: bool, processed: int = None) -> dict:
+        processed = completed if processed is None else processed
+        counts = {"ready": ready, "started": ready, "processed": processed, "completed": completed}
         return {"loops": {"fit_loop": {
             "epoch_progress": {"total": dict(counts), "current": dict(counts)},
             "epoch_loop.batch_progress": {"current": {"ready": 2}, "is_last_batch": last},
@@ -46,5 +48,8 @@ def test_reopen_cut_epoch_reads_the_loop_layout_lightning_writes():
         "processed": 0,
         "completed": 0,
     }
+    at_epoch_end = loops(0, 1, last=False, processed=1)  # saved by ModelCheckpoint in on_train_epoch_end
+    assert _lightning.reopen_cut_epoch(at_epoch_end) and at_epoch_end["epoch"] == 0
+    assert at_epoch_end["loops"]["fit_loop"]["epoch_progress"]["total"]["processed"] == 0
     assert not _lightning.reopen_cut_epoch(loops(1, 1, last=True))  # the epoch ended
     assert not _lightning.reopen_cut_epoch(loops(0, 1, last=False))  # a step checkpoint: already mid-epoch

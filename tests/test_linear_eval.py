@@ -220,8 +220,9 @@ def test_command_line_with_the_config_on_fashion_mnist(resnet_checkpoint, tmp_pa
         resnet_checkpoint,
         tmp_path,
         "--data.init_args.batch_size=8",
-        "--data.init_args.train_subset=16",
+        "--data.init_args.train_subset=64",  # every class has training images (16 lack 4 of the 10)
         "--data.init_args.val_subset=8",
+        "--trainer.limit_train_batches=2",
     )
     saved = (tmp_path / "config.yaml").read_text()
     assert "FashionMNISTDataModule" in saved and "pretrain: false" in saved and "lr: 30.0" in saved
@@ -388,15 +389,16 @@ def test_low_label_options_do_what_they_say_or_say_why_not(seeded):
         LinearClassifier(ckpt_path=FIXTURE_CKPT, num_classes=10, from_scratch=True, finetune=False)
 
 
-def test_labels_of_a_subset_missing_classes_are_refused(seeded):
-    """labels_per_class on a training subset that lacks some classes would train a 10-class head on fewer: refused,
-    naming the missing classes."""
+@pytest.mark.parametrize("labels", [{}, dict(labels_per_class=1), dict(label_fraction=0.5)])
+def test_a_training_split_missing_classes_is_refused_with_or_without_a_label_subset(seeded, labels):
+    """A training subset that lacks some classes would train a 10-class head on fewer: one rule, whether all its
+    labels are used or a subset of them: refused, naming the missing classes."""
     from conftest import FIXTURE_CKPT, cpu_trainer
 
     from moco_lightning.datamodules import FashionMNISTDataModule
 
     data = FashionMNISTDataModule(batch_size=4, train_subset=6, val_subset=8, pretrain=False)
-    model = LinearClassifier(ckpt_path=FIXTURE_CKPT, labels_per_class=1)
+    model = LinearClassifier(ckpt_path=FIXTURE_CKPT, **labels)
     with pytest.raises(ConfigError, match=r"the training split holds \d of the 10 classes \(none of \["):
         cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, datamodule=data)
 

@@ -92,20 +92,24 @@ def cls_of(method: str) -> type:
     return getattr(moco_lightning, METHODS[method][0])
 
 
-def config(method: str, folder: Path, max_steps: int = 8) -> Path:
-    """The tiny run's config (a checkpoint after every step, step=N.ckpt and last.ckpt) in ``folder``."""
+def config(
+    method: str, folder: Path, max_steps: int = 8, max_epochs: int = 10, every_step: bool = True, **model_args
+) -> Path:
+    """The tiny run's config (a checkpoint after every step, step=N.ckpt and last.ckpt; or, not ``every_step``, at
+    each epoch's end, as Lightning's default) in ``folder``; ``model_args`` replace the tiny run's."""
     name, args = METHODS[method]
+    saving = dict(every_n_train_steps=1, save_top_k=-1, filename="{step}") if every_step else {}
     trainer = dict(
-        accelerator="cpu", max_steps=max_steps, max_epochs=10, logger=False, enable_progress_bar=False,
+        accelerator="cpu", max_steps=max_steps, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
         default_root_dir=str(folder / "root"),  # where LightningCLI saves the config it ran
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[{
-            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-            "init_args": dict(dirpath=str(folder / "ckpt"), every_n_train_steps=1, save_last=True, save_top_k=-1,
-                              filename="{step}"),
-        }],
+        callbacks=[
+            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+             "init_args": dict(dirpath=str(folder / "ckpt"), save_last=True, **saving)},
+            {"class_path": "conftest.RecordSchedules"},
+        ],
     )  # fmt: skip
-    model = {"class_path": f"moco_lightning.{name}", "init_args": {**TINY, **CONSTANT, **args}}
+    model = {"class_path": f"moco_lightning.{name}", "init_args": {**TINY, **CONSTANT, **args, **model_args}}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(dict(seed_everything=0, trainer=trainer, model=model, data=DATA)))
@@ -216,6 +220,55 @@ def test_extending_a_run_stopped_mid_epoch_continues_that_epoch(method, tmp_path
     assert state(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6
     cli("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
     assert_same_run(state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_a_cut_epoch_continues_when_max_epochs_binds(method, tmp_path_factory, tmp_path):
+    """max_steps 6 stops in epoch 1 after 2 of its 4 batches and Lightning's default checkpoint is written at that
+    epoch's end; resumed with max_epochs 2 binding (no max_steps), the 2 batches left are trained (not "max_epochs
+    reached", 0 steps) and the run ends bit-equal to the straight 8-step run: nothing the run depends on changes
+    with max_steps while the schedules do not (constant lr and momentum)."""
+    cli("fit", "--config", str(config(method, tmp_path, max_steps=6, max_epochs=2, every_step=False)))
+    assert state(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6
+    extend = config(method, tmp_path, max_steps=-1, max_epochs=2, every_step=False)
+    result = cli("fit", "--config", str(extend), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
+    assert result.trainer.global_step == 8
+    assert_same_run(state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_training_longer_follows_the_schedules_of_the_new_length(method, tmp_path):
+    """A finished 2-epoch run (8 steps, cosine lr with a 2-step warm-up, the momentum on its cosine where the method
+    has one) resumed with ``--ckpt_path last --trainer.max_epochs 4``: the 8 added steps train (the backbone moves)
+    at the lr and momentum of a run planned for 16 steps, step for step, and the warning names the real end step."""
+    from moco_lightning.optim import cosine
+
+    name = METHODS[method][0]
+    schedules = dict(lr_schedule="cosine", warmup_epochs=0.5)
+    if name in MOMENTUM:
+        schedules["momentum_schedule"] = "cosine"
+    cli("fit", "--config", str(config(method, tmp_path, max_steps=-1, max_epochs=2, **schedules)))
+    finished = state(tmp_path / "ckpt" / "last.ckpt")
+    assert finished["global_step"] == 8
+    longer = config(method, tmp_path, max_steps=-1, max_epochs=4, **schedules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_cli(Pretraining, ["fit", "--config", str(longer), "--ckpt_path", "last"], default_model=MoCo)
+    assert result.trainer.global_step == 16
+    messages = [str(w.message) for w in caught]
+    assert any("resumed at step 8, the run now ends at step 16" in m for m in messages), messages
+    seen = next(c for c in result.trainer.callbacks if type(c).__name__ == "RecordSchedules")
+    model = result.model
+    peak = model.hparams.lr * 16 / 256
+    for step in range(8, 16):  # warm-up over steps 0-1, then the cosine of 16 steps
+        assert seen.lrs[step] == pytest.approx(peak * cosine(step - 2, 14, 1.0, 0.0), rel=1e-6), step
+        if name in MOMENTUM:
+            m0 = model.hparams.momentum
+            assert seen.momenta[step] == pytest.approx(cosine(step + 1, 16, m0, 1.0), rel=1e-6), step
+    assert seen.lrs[8] > 0.4 * peak  # not the finished run's lr 0
+    after = state(tmp_path / "ckpt" / "last.ckpt")["state_dict"]
+    trained = [f"backbone.{k}" for k, p in model.backbone.named_parameters() if p.requires_grad]
+    assert trained and all(not torch.equal(finished["state_dict"][k], after[k]) for k in trained)
 
 
 # --- reloading, validating, refusing -----------------------------------------------------------

@@ -772,23 +772,26 @@ def _planned_then_resumed(tmp_path, steps_then: int, batch_then: int = 16, resum
 
 
 @pytest.mark.parametrize("steps_then", [16, 6])
-def test_a_resumed_run_of_another_length_stretches_the_rest_of_its_schedules(tmp_path, steps_then):
-    """Resumed at step 4 with max_steps 16 (or 6) instead of 8: no restart of the cosine (it went 0.0075 -> 0 ->
-    0.0075 in one try): the lr and the momentum continue from step 4's values along the planned curves, stretched
-    over the steps left (position 4 + (t - 4) * 4 / (steps_then - 4)), ending at lr 0 and momentum 1; a warning."""
+def test_a_resumed_run_of_another_length_follows_the_schedules_of_that_length(tmp_path, steps_then):
+    """Resumed at step 4 with max_steps 16 (or 6) instead of 8: from step 4 on, the lr and the momentum are those of
+    a run planned for 16 (or 6) steps, as if it had been planned so from the start (warm-up unchanged: 1 step), ending
+    at lr 0 and momentum 1 on the last step; the warning names the step the run ends at and the lr it follows."""
     from moco_lightning.optim import cosine
 
     planned, resumed, messages = _planned_then_resumed(tmp_path, steps_then)
     peak = 0.06 * 16 / 256
     assert planned.lrs[0] == 0 and planned.lrs[1] == pytest.approx(peak)  # warm-up from 0 over 1 step
-    assert resumed.lrs[4] == pytest.approx(planned.lrs[4]) and resumed.momenta[4] == pytest.approx(planned.momenta[4])
     for t in range(4, steps_then):
-        position = 4 + (t - 4) * 4 / (steps_then - 4)
-        assert resumed.lrs[t] == pytest.approx(peak * cosine(position - 1, 7, 1.0, 0.0)), t
-        assert resumed.momenta[t] == pytest.approx(cosine(position, 8, 0.9, 1.0)), t
+        assert resumed.lrs[t] == pytest.approx(peak * cosine(t - 1, steps_then - 1, 1.0, 0.0)), t
+        assert resumed.momenta[t] == pytest.approx(cosine(t, steps_then, 0.9, 1.0)), t
     lrs = [resumed.lrs[t] for t in range(4, steps_then)]
-    assert all(a > b for a, b in zip(lrs, lrs[1:]))  # monotone: no restart
-    assert any(f"ends at step {steps_then}, not 8 as planned" in m for m in messages), messages
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))  # monotone: no restart of the warm-up
+    now = peak * cosine(3, steps_then - 1, 1.0, 0.0)
+    assert any(
+        f"resumed at step 4, the run now ends at step {steps_then} (the checkpoint's run was planned for 8 steps)" in m
+        and f"{now:.4g} now" in m
+        for m in messages
+    ), messages
 
 
 def test_a_resumed_run_with_another_batch_rescales_the_lr_and_says_so(tmp_path):
