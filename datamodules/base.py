@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -150,16 +151,22 @@ class ResumableDataLoader(EpochPosition, DataLoader):
 
 class _SkipFirst:
     """An index sampler whose passes skip ``loader._skip`` batches (non-zero only while a resumed epoch's iterator
-    is being made)."""
+    is being made).
+
+    It holds the loader weakly: the loader's iterator holds this sampler, and a strong reference back would make a
+    cycle that keeps the loader, its iterator and its worker processes alive until the cyclic garbage collector
+    runs; worker processes forked meanwhile (the next loader's) inherited them, and printed "AssertionError: can
+    only test a child process" when they collected them."""
 
     def __init__(self, inner: Any, loader: ResumableDataLoader) -> None:
-        self.inner, self.loader = inner, loader
+        self.inner, self.loader = inner, weakref.ref(loader)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __iter__(self) -> Iterator:
-        return itertools.islice(iter(self.inner), self.loader._skip, None)
+        loader = self.loader()
+        return itertools.islice(iter(self.inner), loader._skip if loader is not None else 0, None)
 
 
 class ImageTensorDataset(Dataset):
@@ -303,8 +310,15 @@ class TwoViewDataModule(LightningDataModule):
         return self._generator
 
     def _loader(
-        self, ds: Dataset, sampler: Optional[Sampler] = None, drop_last: bool = False, collate_fn=None
+        self,
+        ds: Dataset,
+        sampler: Optional[Sampler] = None,
+        drop_last: bool = False,
+        collate_fn=None,
+        persistent: bool = True,
     ) -> DataLoader:
+        """``persistent``: keep the worker processes between epochs (the training and validation loaders, which
+        Lightning makes once); an evaluation loader is made anew for each evaluation and iterated once."""
         return ResumableDataLoader(
             ds,
             batch_size=self.batch_size,
@@ -312,7 +326,7 @@ class TwoViewDataModule(LightningDataModule):
             drop_last=drop_last,
             collate_fn=collate_fn or collate,
             num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=persistent and self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
             # the workers' base seed from a generator of the loader's own: a DataLoader draws it from the global
             # RNG each time it starts an epoch, and a resumed epoch starts once more than the uninterrupted one did
@@ -396,10 +410,10 @@ class InMemoryDataModule(TwoViewDataModule):
         return self.eval_val_dataloader()
 
     def eval_train_dataloader(self) -> DataLoader:
-        return self._loader(self._splits["train"], collate_fn=self._eval_collate())
+        return self._loader(self._splits["train"], collate_fn=self._eval_collate(), persistent=False)
 
     def eval_val_dataloader(self) -> DataLoader:
-        return self._loader(self._splits["val"], collate_fn=self._eval_collate())
+        return self._loader(self._splits["val"], collate_fn=self._eval_collate(), persistent=False)
 
     # --- low-label training (LinearClassifier's label_fraction / labels_per_class) -------------------
     def train_targets(self) -> Tensor:

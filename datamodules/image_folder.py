@@ -299,7 +299,7 @@ class ImageFolderDataModule(TwoViewDataModule):
             raise ConfigError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
         if self.backend == "dali":
             return self._dali(self._eval_splits["train"], "eval")
-        return self._loader(self._eval_splits["train"])
+        return self._loader(self._eval_splits["train"], persistent=False)
 
     def eval_val_dataloader(self) -> DataLoader:
         if not self.labelled:
@@ -315,7 +315,7 @@ class ImageFolderDataModule(TwoViewDataModule):
             )
         if self.backend == "dali":
             return self._dali(self._eval_splits["val"], "eval")
-        return self._loader(self._eval_splits["val"])
+        return self._loader(self._eval_splits["val"], persistent=False)
 
     def _dali(self, ds: ImageFileDataset, mode: str, shuffle: bool = True, device: Optional[torch.device] = None):
         """A DALI loader over the files of ``ds``, sharded over the trainer's ranks, on its device (``device``: this

@@ -177,8 +177,9 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         return {}
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        out = self.views_loss(self.batch_views(batch)[0])
-        if not self.loss_is_usable(out["loss"], batch_idx):
+        views = self.batch_views(batch)[0]
+        out = self.views_loss(views)
+        if not self.loss_is_usable(out["loss"], batch_idx, views):
             return None
         self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
         self.log_lr(**self.step_scalars())
@@ -188,18 +189,22 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         if is_views_batch(batch):  # not an evaluation batch (image, target)
             self.log("val/loss", self.views_loss(self.batch_views(batch)[0][:2])["loss"], prog_bar=True, sync_dist=True)
 
-    def loss_is_usable(self, loss: Tensor, batch_idx: int) -> bool:
-        """False: skip this batch (``on_nan="skip"``); a non-finite loss raises one step later (the NaN guard)."""
+    def loss_is_usable(self, loss: Tensor, batch_idx: int, views: Sequence[Tensor] = ()) -> bool:
+        """False: skip this batch (``on_nan="skip"``); a non-finite loss raises one step later (the NaN guard), saying
+        so when the batch's images (``views``) held non-finite values."""
         where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        return self.nan_guard.usable(loss, where, self.nan_hints)
+        return self.nan_guard.usable(loss, where, self.nan_hints, views)
 
     def nan_hints(self) -> str:
         """The likely causes of a non-finite loss, named in the guard's error."""
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        return (
-            f"a learning rate too high (lr={self.hparams.lr} per 256 images, now {lr:.4g}), or fp16 overflow "
-            f"(precision={self.trainer.precision!r}: try bf16-mixed or 32)"
+        precision = str(self.trainer.precision)
+        overflow = (
+            f", or fp16 overflow (precision={precision!r}: try bf16-mixed or 32-true)"
+            if precision.startswith("16")
+            else ""
         )
+        return f"a learning rate too high (lr={self.hparams.lr} per 256 images, now {lr:.4g}){overflow}"
 
     # --- after the optimizer step: momentum updates, dictionaries ------------------------------
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

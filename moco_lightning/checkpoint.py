@@ -106,6 +106,14 @@ def _unreadable(where: str, path: Path, error: Exception) -> str:
             f"from, set {ALLOW_PICKLE}=1 to load it with full pickle"
         )
     size, first = path.stat().st_size, text.splitlines()[0][:80] if text else "truncated"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if size and not head.startswith((b"PK\x03\x04", b"\x80")):  # neither torch.save's zip nor a pickle
+        kind = "text" if all(32 <= b < 127 or b in b"\t\r\n" for b in head) else "data"
+        return (
+            f"{where}: not a checkpoint: a {size}-byte {kind} file, neither a torch.save archive nor a pickle; give "
+            "the .ckpt written by `moco-lightning fit` (a run's checkpoints/ folder) or an export of one"
+        )
     return (
         f"{where}: not a readable checkpoint ({size} bytes; {type(error).__name__}: {first}): a save interrupted by "
         "a kill or a full disk leaves such a file; use an earlier checkpoint of the run"
@@ -198,6 +206,24 @@ def upgrade(checkpoint: dict, cls: type) -> None:
             state.pop(name, None)
 
 
+def saved_class(checkpoint: Mapping) -> Optional[str]:
+    """The class path of the module that wrote ``checkpoint`` (recorded since format 3; the CLI's ``_class_path``
+    before), or None."""
+    meta = checkpoint.get("moco_lightning") or {}
+    return meta.get("module") or (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+
+
+def check_class(checkpoint: Mapping, cls: type) -> None:
+    """A checkpoint of another method (a SimCLR run restored into MoCo) is one line naming both classes, before its
+    weights meet the module (torch's error lists every missing and unexpected key)."""
+    saved = saved_class(checkpoint)
+    if saved and saved.rsplit(".", 1)[-1] != cls.__name__ and not _is_subclass_path(saved, cls):
+        raise ConfigError(
+            f"{cls.__name__}: the checkpoint is a {saved} run, not a {cls.__module__}.{cls.__qualname__} one: resume "
+            f"it with {saved.rsplit('.', 1)[-1]} (or its own config), or start a new run without ckpt_path"
+        )
+
+
 def check_structure(saved: Mapping, current: Mapping, fields: tuple, who: str) -> None:
     """One error naming every structural hyper-parameter in which a checkpoint and a model differ."""
     differ = [
@@ -244,7 +270,10 @@ def save_state(module: Any, checkpoint: dict) -> None:
         saved = checkpoint["state_dict"]
         saved.update({k: v for k, v in module.state_dict().items() if k in saved})
     plan = module.step_plan.state_dict() if module.step_plan is not None else None
-    checkpoint["moco_lightning"] = metadata(step_plan=plan, momentum_copies=module.momentum_copies())
+    cls = type(module)
+    checkpoint["moco_lightning"] = metadata(
+        step_plan=plan, momentum_copies=module.momentum_copies(), module=f"{cls.__module__}.{cls.__qualname__}"
+    )
 
 
 def restore_state(module: Any, checkpoint: dict) -> dict:
@@ -257,6 +286,7 @@ def restore_state(module: Any, checkpoint: dict) -> dict:
     upgrade(checkpoint, type(module))
     meta = checkpoint.get("moco_lightning")
     check_format(meta, who)
+    check_class(checkpoint, type(module))
     check_structure(checkpoint.get("hyper_parameters", {}), module.hparams, module.STRUCTURAL, who)
     reopen_cut_epoch(checkpoint)
     if module._trainer is not None:
@@ -285,7 +315,7 @@ def load_module(
     from ._lightning import module_from_checkpoint
 
     checkpoint = read_checkpoint(checkpoint_path, map_location=map_location or "cpu")
-    saved = (checkpoint.get("hyper_parameters") or {}).get("_class_path")
+    saved = saved_class(checkpoint)
     if saved and saved.rsplit(".", 1)[-1] != cls.__name__ and not _is_subclass_path(saved, cls):
         raise ConfigError(
             f"{checkpoint_path}: a checkpoint of {saved}, not of {cls.__module__}.{cls.__qualname__}: load it with "

@@ -401,6 +401,47 @@ def missing_argument(error: BaseException) -> Optional[str]:
     return None
 
 
+def bad_choice(error: BaseException) -> Optional[str]:
+    """A class path that does not import (``--model.class_path moco_lightning.Foo``: the classes it could be) or a
+    value outside a setting's choices (``--model.stem foo``: the allowed ones), from jsonargparse's chain of errors,
+    whose first line says only "Does not validate against any of the Union subtypes"."""
+    import re
+
+    keys, unknown, cause = [], None, error
+    while cause is not None:
+        text = str(cause)
+        key = re.match(r'\s*Parser key "([^"]+)"', text)
+        if key and (not keys or keys[-1] != key.group(1)):
+            keys.append(key.group(1))
+        m = re.fullmatch(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", text.strip(), re.S)
+        if m and keys:
+            return f"{'.'.join(keys)}: {m.group(2)!r} is not allowed; one of {m.group(1)}"
+        m = re.match(r"Problem with given class_path '([^']+)':\s*(.*)", text.strip(), re.S)
+        if m and unknown is None:
+            unknown = m.group(1), m.group(2).strip().splitlines()[0]
+        if unknown and isinstance(cause, (ImportError, AttributeError)) and keys:
+            section = keys[0]
+            return (
+                f"{section}.class_path: {unknown[0]} cannot be imported ({cause}); "
+                + ("the methods: " if section == "model" else "the datamodules: " if section == "data" else "")
+                + ", ".join(known_classes(section))
+            )
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def known_classes(section: str) -> list[str]:
+    """The class paths a ``model:`` (the pretraining methods) or ``data:`` section (the datamodules) can name."""
+    import moco_lightning
+    from moco_lightning import datamodules
+
+    module, base = (moco_lightning, Pretraining) if section == "model" else (datamodules, LightningDataModule)
+    found = [getattr(module, n) for n in getattr(module, "__all__", dir(module))]
+    bases = ("Pretraining", "Contrastive", "MomentumContrast", "TwoViewDataModule", "InMemoryDataModule")
+    found = [c for c in found if isinstance(c, type) and issubclass(c, base) and c.__name__ not in bases]
+    return [f"{module.__name__}.{c.__name__}" for c in found]
+
+
 def condense_parser_error(message: str) -> str:
     """jsonargparse's nested report of a bad setting as one line: the setting's dotted name and what is wrong
     (a wrong type, an unknown option with the closest accepted names), without the alternatives of its Union."""
@@ -502,7 +543,7 @@ def run_cli(
         if os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
         command = f"{prog} {sub}" if sub else prog
-        text = yaml_error(argv) or missing_argument(e) or condense_parser_error(str(e))
+        text = yaml_error(argv) or missing_argument(e) or bad_choice(e) or condense_parser_error(str(e))
         sys.stderr.write(f"{command}: error: {text}\n  ({command} --help lists the options)\n")
         sys.exit(2)
     except Exception as e:

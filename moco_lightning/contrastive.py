@@ -140,7 +140,7 @@ class Contrastive(Pretraining):
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
         (x_q, x_k, *local_views), index = self.batch_views(batch)
         out = self.contrast(x_q, x_k, index, local_views)
-        if not self.loss_is_usable(out["loss"], batch_idx):
+        if not self.loss_is_usable(out["loss"], batch_idx, (x_q, x_k, *local_views)):
             return None
         # What the dictionary keeps is gathered from all ranks here, where every rank runs the same code: the
         # momentum update and the store after the optimizer step are then local, and so is a checkpoint save.
@@ -255,10 +255,11 @@ class MomentumContrast(Contrastive):
         self._shuffle = "off"
 
     def configure_optimizers(self) -> dict:
-        if self._shuffle == "split":  # at fit start, before any callback's evaluation
+        config = super().configure_optimizers()  # at fit start, before any callback's evaluation
+        if self._shuffle == "split":
             per_device = global_batch_size(self) // (self.trainer.world_size * self.trainer.accumulate_grad_batches)
             check_bn_splits(self.hparams.bn_splits, per_device)
-        return super().configure_optimizers()
+        return config
 
     def step_scalars(self) -> dict[str, float]:
         return self.key_encoder.scalars(self)

@@ -119,18 +119,26 @@ class MemoryBankMoCo(Contrastive):
     def positive_keys(self, x: Tensor, index: Optional[Tensor]) -> Tensor:
         return self.memory_bank.positives(MemoryBank.require_index(index))
 
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        # checked once here: a per-step index check would stall an accelerator
+    def configure_optimizers(self) -> dict:
+        config = super().configure_optimizers()  # loads the training data
+        # checked once, at fit start (before any callback's evaluation): a per-step index check would stall an
+        # accelerator. Too few rows would index outside the bank; too many would serve never-updated random rows
+        # as negatives.
         try:
             n = len(self.trainer.train_dataloader.dataset)
         except (TypeError, AttributeError):  # an iterable dataset: MemoryBank checks the first batch's indices
             n = 0
-        if n > self.memory_bank.size:
+        if n and n != self.memory_bank.size:
             raise ConfigError(
-                f"MemoryBankMoCo: memory_bank_size={self.memory_bank.size}, but the training set has {n} "
-                f"images; set memory_bank_size to {n} (one bank row per training image)"
+                f"MemoryBankMoCo: memory_bank_size={self.memory_bank.size}, but the training set has {n} images"
+                + (
+                    ": the rows of no image would stay random and serve as negatives"
+                    if n < self.memory_bank.size
+                    else ""
+                )
+                + f"; set memory_bank_size to {n} (one bank row per training image)"
             )
+        return config
 
     def on_validation_start(self) -> None:
         if not self.trainer.sanity_checking:

@@ -125,13 +125,15 @@ def evaluate(
         }
         if pixels:
             row["linear_pixels"] = linear_top1(tuple(t[idx] for t in splits["pixels"][0]), splits["pixels"][1], classes)
-        n_steps = steps or finetune_steps(len(idx))
+        n_steps, batch = steps or finetune_steps(len(idx)), min(BATCH, len(idx))  # a small subset: one batch of all
+        if fine_tune or scratch:
+            row["steps"], row["batch"] = n_steps, batch
         for column, from_scratch, wanted in (("fine_tuned", False, fine_tune), ("from_scratch", True, scratch)):
             if not wanted:
                 continue
             progress(f"evaluate: {fraction:g} of the labels ({len(idx)}): {column.replace('_', ' ')}, {n_steps} steps")
             seed_everything(seed, verbose=False)
-            row[column] = _finetune(ckpt, copy.deepcopy(template), fraction, n_steps, from_scratch, seed)
+            row[column] = _finetune(ckpt, copy.deepcopy(template), fraction, n_steps, from_scratch, seed, batch)
         if fine_tune and scratch:
             row["fine_tuned_minus_scratch"] = row["fine_tuned"] - row["from_scratch"]
         out["fractions"][f"{fraction:g}"] = row
@@ -139,14 +141,14 @@ def evaluate(
     return out
 
 
-def _finetune(ckpt: str, data: Any, fraction: float, steps: int, scratch: bool, seed: int) -> float:
+def _finetune(ckpt: str, data: Any, fraction: float, steps: int, scratch: bool, seed: int, batch: int = BATCH) -> float:
     """Held-out top-1 of ``LinearClassifier`` fine-tuned (or from scratch) on ``fraction`` of the labels of ``data``
-    (a fresh datamodule: the labelled subset replaces its training split)."""
+    (a fresh datamodule: the labelled subset replaces its training split), in batches of ``batch``."""
     from lightning.pytorch import Trainer
 
     from moco_lightning.linear_eval import LinearClassifier
 
-    data.batch_size = BATCH
+    data.batch_size = batch
     recipe = dict(FINETUNE, backbone_lr=None) if scratch else FINETUNE
     model = LinearClassifier(ckpt_path=str(ckpt), label_fraction=fraction, label_seed=seed, finetune=True,
                              from_scratch=scratch, **recipe)  # fmt: skip
@@ -277,14 +279,27 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--config", default=None, help="a YAML whose data: section is the datamodule (default Fashion-MNIST)"
     )
     p.add_argument("--split", choices=("test", "val"), default="test", help="val: the last 10000 training images")
-    p.add_argument("--fractions", type=float, nargs="*", default=[0.01, 0.1], help="label fractions (default 0.01 0.1)")
+    p.add_argument(
+        "--fractions", type=float, nargs="*", default=None, help="label fractions (default 0.01 0.1; --fast: 0.05)"
+    )
     p.add_argument("--k", type=int, nargs="+", default=[20, 200], help="kNN neighbours (default 20 200)")
-    p.add_argument("--steps", type=int, default=None, help="fine-tuning steps (default max(600, 30 epochs))")
+    p.add_argument(
+        "--steps", type=int, default=None, help="fine-tuning steps (default max(600, 30 epochs); --fast: 10)"
+    )
     p.add_argument("--out", default=None, help="folder for evaluate.md/.json/.png (default runs/evaluate/<name>)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fast", action="store_true", help="a smoke run: 2000 / 500 images, 5 %% of labels, 10 steps")
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        help="a smoke run: 2000 / 500 images; 5 %% of labels and 10 steps unless --fractions / --steps say otherwise",
+    )
     args = p.parse_args(argv)
-    fractions, steps = ([0.05], 10) if args.fast else (args.fractions, args.steps)
+    fractions = args.fractions if args.fractions is not None else [0.05] if args.fast else [0.01, 0.1]
+    steps = args.steps if args.steps is not None else 10 if args.fast else None
+    if steps is not None and steps < 1:
+        p.exit(2, f"moco-lightning evaluate: error: --steps {steps}: give at least 1 fine-tuning step\n")
+    if any(not 0 < f <= 1 for f in fractions):
+        p.exit(2, f"moco-lightning evaluate: error: --fractions {fractions}: each must be in (0, 1]\n")
     try:
         result = evaluate(
             args.ckpt, datamodule_of(args.config, args.split, args.fast), fractions, args.k, steps, args.seed

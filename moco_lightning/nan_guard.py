@@ -4,13 +4,14 @@ A per-rank check stops one rank, and the others wait in the next collective unti
 once would stall the GPU once per step. So a "not finite" flag is all-reduced (max), copied to the host
 asynchronously, and read at the start of the next step, before a checkpoint is saved, or at the end of training:
 every rank stops at the same step, before a checkpoint holds the bad weights. ``on_nan="skip"`` (one process only)
-skips the batch with a warning instead.
+skips the batch with a warning instead. The flag also says whether the batch's images held non-finite values (NaN or
+inf pixels), so that the error blames the data, not the lr, when that is the cause.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,15 +42,22 @@ class NanGuard:
                 "the same optimizer steps (Lightning does not support skipping a batch under DDP); use on_nan='raise'"
             )
 
-    def usable(self, loss: Tensor, where: str, hints: Callable[[], str]) -> bool:
-        """False: skip this batch (``on_nan="skip"``). Otherwise the deferred, collective check (see the module)."""
+    def usable(self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = ()) -> bool:
+        """False: skip this batch (``on_nan="skip"``). Otherwise the deferred, collective check (see the module);
+        ``inputs``: the batch's images."""
         self.raise_if_pending()
+        bad_input = torch.stack([~torch.isfinite(x).all() for x in inputs]).any() if inputs else None
         if self.on_nan == "skip":  # reading the loss synchronises with the device
             if torch.isfinite(loss):
                 return True
-            warnings.warn(f"{self.owner}: loss is {loss.item()} {where}; batch skipped (on_nan='skip')", stacklevel=3)
+            what = " (the batch holds non-finite pixels)" if bad_input is not None and bool(bad_input) else ""
+            warnings.warn(
+                f"{self.owner}: loss is {loss.item()} {where}{what}; batch skipped (on_nan='skip')", stacklevel=3
+            )
             return False
         flag = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(1)
+        if bad_input is not None:  # 3: the loss and the images; 1: the loss alone (MAX across ranks keeps the worst)
+            flag = flag + 2 * (bad_input.to(torch.int32) & flag)
         if world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         event = None
@@ -70,6 +78,13 @@ class NanGuard:
         self._pending = None
         if event is not None:
             event.synchronize()
+        if int(flag) == 3:
+            raise FloatingPointError(
+                f"{self.owner}: the training batch {where} holds non-finite values (NaN or inf pixels"
+                + ("" if not torch.isfinite(loss) else ", on another rank")
+                + "), so the loss is not finite: check the images and their normalisation (the datamodule's mean and "
+                "std); every rank stopped, no checkpoint was written with the weights of that step"
+            )
         if int(flag):
             whose = "loss" if not torch.isfinite(loss) else "this rank's loss"
             raise FloatingPointError(

@@ -79,6 +79,13 @@ def configure_optimizers(module: Any, saved_plan: dict | None) -> tuple[dict, St
     the checkpoint's) keeps the plan it was written with."""
     hp, trainer = module.hparams, module.trainer
     batch = global_batch_size(module)
+    per_device = batch // (trainer.world_size * trainer.accumulate_grad_batches)
+    if per_device < 2:
+        raise ConfigError(
+            f"{type(module).__name__} needs at least 2 images per batch, and the training batch of each process holds "
+            f"{per_device} (data.batch_size): BatchNorm's statistics, the contrast between images and the codes of a "
+            "batch need several; raise data.batch_size"
+        )
     optimizer = optim.build_optimizer(
         hp.optimizer,
         module.trained_modules(),

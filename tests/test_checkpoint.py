@@ -227,3 +227,23 @@ def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, m
     assert len(straight) > 8 and resumed == straight
     steps = {int(float(r["step"])) for r in stopped} if logger == "csv" else {s for _, s, _ in stopped}
     assert max(steps) == 6  # the stopped run had logged past the checkpoint it is resumed from
+
+
+def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
+    """``Trainer.fit(MoCo(...), ckpt_path=<a SimCLR checkpoint>)`` written from Python (no CLI class path in its
+    hyper-parameters): one line naming both classes, as the CLI gives, not torch's list of missing keys."""
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+
+    from moco_lightning import SimCLR
+
+    simclr = SimCLR(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, hidden_dim=16, dim=8)
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(simclr, tiny_data())
+    trainer.save_checkpoint(tmp_path / "simclr.ckpt")
+    with pytest.raises(ConfigError) as error:
+        cpu_trainer(max_steps=2, limit_val_batches=0).fit(tiny_moco(), tiny_data(), ckpt_path=tmp_path / "simclr.ckpt")
+    message = str(error.value)
+    assert "MoCo: the checkpoint is a moco_lightning.simclr.SimCLR run, not a moco_lightning.moco.MoCo one" in message
+    assert "\n" not in message and "Missing key" not in message
+    with pytest.raises(ConfigError, match="a checkpoint of moco_lightning.simclr.SimCLR, not of moco_lightning.moco"):
+        MoCo.load_from_checkpoint(tmp_path / "simclr.ckpt")

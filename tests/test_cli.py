@@ -200,7 +200,7 @@ def test_bad_settings_end_with_one_error_line_not_a_traceback(tmp_path, monkeypa
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     assert cli_main("export", "--ckpt", "notes.txt", "--out", "b.pt") == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and "--ckpt notes.txt: not a readable checkpoint (16 bytes; UnpicklingError" in err
+    assert "Traceback" not in err and "--ckpt notes.txt: not a checkpoint: a 16-byte text file, neither a" in err
 
 
 def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path, monkeypatch, capsys):
@@ -226,13 +226,17 @@ def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path
     assert "last.ckpt could not be used (not a readable checkpoint); resuming" in err and good.name in err
     assert cli.trainer.global_step == 4
     bad = tmp_path / "bad.ckpt"
-    for content in (b"", b"not a checkpoint at all", data[:1000]):
+    for content, said in (
+        (b"", "not a readable checkpoint (0 bytes"),
+        (b"not a checkpoint at all", "not a checkpoint: a 23-byte text file"),  # not "a save interrupted by a kill"
+        (data[:1000], "not a readable checkpoint (1000 bytes"),
+    ):
         bad.write_bytes(content)
         with pytest.raises(SystemExit) as exit_:
             run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", str(bad)], default_model=MoCo)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 2
-        assert f"--ckpt_path {bad}: not a readable checkpoint" in err
+        assert f"--ckpt_path {bad}: {said}" in err
     with pytest.raises(SystemExit):
         run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "missing.ckpt"], default_model=MoCo)
     assert "--ckpt_path missing.ckpt: no such file" in capsys.readouterr().err
@@ -272,6 +276,21 @@ def test_optimizer_flags_are_refused_and_no_logger_prints_no_tensorboard_line(tm
             "moco-lightning fit: error: model.lrr: not an argument of moco_lightning.MoCo; did you mean lr?",
         ),
         ("--data.init_args.batch_size=x", "moco-lightning fit: error: data.batch_size: Expected a <class 'int'>."),
+        (
+            "--model.class_path=moco_lightning.Foo",
+            "moco-lightning fit: error: model.class_path: moco_lightning.Foo cannot be imported (module "
+            "'moco_lightning' has no attribute 'Foo'); the methods: moco_lightning.BYOL, moco_lightning.EndToEnd, "
+            "moco_lightning.MemoryBankMoCo, moco_lightning.MoCo, moco_lightning.MoCoV3, moco_lightning.SimCLR, "
+            "moco_lightning.SwAV",
+        ),
+        (
+            "--data.class_path=moco_lightning.datamodules.Foo",
+            "moco-lightning fit: error: data.class_path: moco_lightning.datamodules.Foo cannot be imported",
+        ),
+        (
+            "--model.init_args.stem=foo",
+            "moco-lightning fit: error: model.stem: 'foo' is not allowed; one of 'imagenet', 'cifar', 'cifar_stride2'",
+        ),
     ],
 )
 def test_a_wrong_type_or_unknown_key_is_one_line_first_not_after_the_usage(flag, line, capsys):

@@ -50,3 +50,18 @@ def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
         main(["evaluate", "--ckpt", str(tmp_path / "x.ckpt"), "--fast"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith(f"moco-lightning evaluate: error: model.ckpt_path {tmp_path / 'x.ckpt'}")
+
+
+def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys):
+    """--fast shrinks the data; --fractions and --steps given beside it are honoured, not dropped; bad ones are one
+    line."""
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--fractions", "0.02", "0.1", "--steps", "3", "--out",
+          str(tmp_path)])  # fmt: skip
+    result = json.loads((tmp_path / "evaluate.json").read_text())
+    assert list(result["fractions"]) == ["0.02", "0.1"] and result["train_images"] == 2000
+    assert [r["steps"] for r in result["fractions"].values()] == [3, 3]
+    assert "0.1 of the labels (201): fine tuned, 3 steps" in capsys.readouterr().err  # 10 % of each class, rounded
+    for bad, said in ((["--steps", "0"], "--steps 0: give at least 1"), (["--fractions", "1.5"], "each must be in")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", *bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err

@@ -419,3 +419,46 @@ def test_worker_loader_resumes_mid_epoch_with_the_same_views(tmp_path):
     for a, b in zip(whole[2:], rest):
         assert torch.equal(a[2], b[2]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
     assert len(list(resumed)) == 4  # the persistent workers' next epoch starts at its first batch
+
+
+def test_loaders_with_workers_are_freed_at_once_and_leave_no_worker_behind(tmp_path):
+    """An evaluation loader with worker processes, iterated and dropped, is freed by reference counting alone (no
+    cycle through its index sampler) and its workers are gone: before, they lived until the cyclic collector ran, and
+    processes forked meanwhile inherited them and printed "AssertionError: can only test a child process" when they
+    collected them (16 tracebacks in a 4-epoch run with KNNMonitor). A training run with workers and a kNN monitor
+    prints none."""
+    import gc
+    import multiprocessing
+    import subprocess
+    import sys
+    import weakref
+
+    root = write_tree(tmp_path / "data", n_per_class=6)
+    dm = ImageFolderDataModule(data_dir=str(root), batch_size=4, image_size=32, num_workers=2, pretrain=False)
+    dm.setup("fit")
+    gc.disable()  # only reference counting may free them
+    try:
+        for make in (dm.eval_train_dataloader, dm.eval_val_dataloader, dm.train_dataloader):
+            loader = make()
+            assert sum(len(batch[1]) for batch in loader) > 0
+            freed = weakref.ref(loader)
+            del loader
+            assert freed() is None, make.__name__
+            assert not multiprocessing.active_children(), make.__name__
+    finally:
+        gc.enable()
+    script = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "from lightning.pytorch import Trainer\n"
+        "from moco_lightning import MoCo\n"
+        "from moco_lightning.callbacks import KNNMonitor\n"
+        "from moco_lightning.datamodules import ImageFolderDataModule\n"
+        f"dm = ImageFolderDataModule(data_dir={str(root)!r}, batch_size=4, image_size=32, num_workers=2)\n"
+        "model = MoCo(backbone='resnet18', width=0.0625, image_size=32, hidden_dim=16, dim=8, queue_size=8,"
+        " bn_splits=2)\n"
+        "Trainer(accelerator='cpu', max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,"
+        " callbacks=[KNNMonitor(k=3)]).fit(model, dm)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "can only test a child process" not in run.stderr and "Traceback" not in run.stderr

@@ -303,6 +303,21 @@ def test_validate_from_the_checkpoint_reports_the_pretext_metrics(method, tmp_pa
         assert 0 <= float(metrics["val/acc1"]) <= 1
 
 
+@pytest.mark.parametrize("method", GROUPS)
+def test_a_batch_of_one_image_is_one_line_for_every_method(method, tmp_path, capsys):
+    """Batch size 1: SimCLR and EndToEnd trained at loss 0, MoCo v3 ended in a BatchNorm traceback, MoCo advised
+    "bn_splits at most 1" when it was 1: one line for every method, at fit start, exit code 2."""
+    with pytest.raises(SystemExit) as exit_:
+        cli("fit", "--config", str(config(method, tmp_path)), "--data.init_args.batch_size=1")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 2, err
+    assert err[0] == (
+        f"moco-lightning fit: error: {METHODS[method][0]} needs at least 2 images per batch, and the training batch of "
+        "each process holds 1 (data.batch_size): BatchNorm's statistics, the contrast between images and the codes of "
+        "a batch need several; raise data.batch_size"
+    )
+
+
 @pytest.mark.parametrize("sub", ["test", "predict"])
 @pytest.mark.parametrize("method", GROUPS)
 def test_test_and_predict_are_refused_in_one_line(method, sub, tmp_path_factory, capsys):

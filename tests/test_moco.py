@@ -432,13 +432,23 @@ def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torc
         assert int(changed.sum()) == 3 * 16  # 3 batches of 16 distinct images of the 64
 
 
-def test_memory_bank_smaller_than_the_training_set_fails_at_fit_start(seeded, one_torch_thread):
-    model = tiny_moco(MemoryBankMoCo, memory_bank_size=40, num_negatives=8, bank_momentum=0.5)
-    with pytest.raises(
-        ValueError, match="memory_bank_size=40, but the training set has 64 images; set memory_bank_size to 64"
-    ):
-        cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, tiny_data())
-    assert model.global_step == 0
+@pytest.mark.parametrize(
+    "size,said",
+    [
+        (40, "memory_bank_size=40, but the training set has 64 images; set memory_bank_size to 64"),
+        (100, "memory_bank_size=100, but the training set has 64 images: the rows of no image would stay random"),
+    ],
+)
+def test_memory_bank_of_another_size_than_the_training_set_fails_at_fit_start(seeded, one_torch_thread, size, said):
+    """Too small indexes outside the bank; too large serves never-updated random rows as negatives: both refused at
+    fit start, before any callback's evaluation."""
+    from moco_lightning.callbacks import KNNMonitor
+
+    model = tiny_moco(MemoryBankMoCo, memory_bank_size=size, num_negatives=8, bank_momentum=0.5)
+    knn = KNNMonitor(k=3)
+    with pytest.raises(ValueError, match=said):
+        cpu_trainer(max_steps=1, limit_val_batches=0, callbacks=[knn]).fit(model, tiny_data())
+    assert model.global_step == 0 and not knn.measured_at
 
 
 def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded):

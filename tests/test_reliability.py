@@ -1,6 +1,7 @@
 """Resume after a crash, the NaN guard, checkpoint compatibility, export for downstream use."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,6 +147,51 @@ def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(s
     assert saved == ["step=1.ckpt", "step=2.ckpt"]
     good = MoCo.load_from_checkpoint(tmp_path / "step=2.ckpt", backbone=tiny_moco().backbone)
     assert all(torch.isfinite(p).all() for p in good.parameters())
+
+
+class NanPixels(torch.utils.data.Dataset):
+    """Two-view items of random images; item 20 (in the second batch of 16) holds a NaN pixel, or an inf one."""
+
+    def __init__(self, bad: float) -> None:
+        self.bad = bad
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(i)
+        views = [torch.randn(1, 28, 28, generator=g) for _ in range(2)]
+        if i == 20:
+            views[1][0, 3, 4] = self.bad
+        return views, 0, i
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("method", ["MoCo", "SimCLR"])
+def test_non_finite_pixels_are_named_as_the_cause_not_the_lr(seeded, method, bad):
+    """A batch with a NaN or inf pixel: the error says the batch holds non-finite values (the contrastive family's
+    step and the base step alike), not "a learning rate too high ... try 32" while running at 32-true."""
+    from lightning.pytorch import LightningDataModule
+
+    import moco_lightning
+
+    model = tiny_moco() if method == "MoCo" else moco_lightning.SimCLR(backbone=tiny_moco().backbone, hidden_dim=16,
+                                                                       dim=8, in_channels=1, image_size=28)  # fmt: skip
+    data = LightningDataModule.from_datasets(train_dataset=NanPixels(bad), batch_size=16)
+    with pytest.raises(FloatingPointError) as error:
+        cpu_trainer(max_epochs=1, limit_val_batches=0).fit(model, data)
+    message = str(error.value)
+    assert re.match(
+        rf"{method}: the training batch at global step (\d) \(epoch 0, batch \1\) holds non-finite values", message
+    )
+    assert "learning rate" not in message and "mean and std" in message
+
+
+def test_a_non_finite_loss_at_full_precision_does_not_suggest_full_precision(seeded):
+    model = tiny_moco()
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    assert "fp16" not in model.nan_hints() and "32-true" not in model.nan_hints()
 
 
 def test_nan_loss_can_skip_the_batch(seeded):
