@@ -15,6 +15,8 @@ attribute of Lightning.
 - ``module._ddp_params_and_buffers_to_ignore``: buffers DDP must not re-broadcast from rank 0 on every forward
   (torch's ``DistributedDataParallel`` reads it when it wraps the module).
 - ``CSVLogger._experiment``: whether its writer exists yet (creating it deletes the version's ``metrics.csv``).
+- ``_accelerator_connector.cluster_environment``, ``_signal_connector._slurm_sigusr_handler_fn``: SLURM's requeue
+  at a step boundary (:mod:`moco_lightning.preemption`; Lightning runs it inside the signal handler, mid-step).
 - ``core.saving._load_state``: build a module from a checkpoint already read (``load_from_checkpoint`` minus
   its own ``torch.load``).
 - ``LightningCLI._parse_ckpt_path`` (replaced: it builds a ``--ckpt_path`` run's model from the checkpoint's
@@ -90,6 +92,24 @@ def reopen_cut_epoch(checkpoint: dict) -> bool:
         counts["completed"] -= finished
     checkpoint["epoch"] = epoch
     return True
+
+
+def slurm_requeue_signal(trainer: Any) -> Optional[int]:
+    """The signal on which Lightning requeues a SLURM job (auto-requeue on), else None."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+        return int(environment.requeue_signal)
+    return None
+
+
+def slurm_requeue(trainer: Any, signum: int) -> str:
+    """Lightning's SLURM requeue (the loggers finalised, ``hpc_ckpt_N.ckpt`` saved, ``scontrol requeue`` of the job),
+    run at a step boundary; returns the checkpoint's path."""
+    path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+    trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)
+    return path
 
 
 def experiment_created(logger: Any) -> bool:

@@ -24,6 +24,7 @@ from .distributed import equal_batches, world_size
 from .errors import check_arguments
 from .log_history import read_csv_history
 from .nan_guard import NanGuard
+from .preemption import Preemption
 
 
 class Pretraining(ckpt.SafeLoading, LightningModule):
@@ -86,6 +87,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) and not described else None)
         self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width, stem)
         self.nan_guard = NanGuard(on_nan, type(self).__name__)
+        self.preemption = Preemption()  # SIGTERM / SIGINT / SLURM's requeue: a checkpoint at a step boundary
         self.step_plan: Optional[plan.StepPlan] = None  # made by configure_optimizers
         self._resume: dict = {}  # what the checkpoint being restored holds for the run: RNG states, step plan
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
@@ -147,6 +149,8 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         ckpt.continue_run(self, self._resume)  # RNG states, the loader's position, the schedules
         self._resume = {}
         self._stepped = self.global_step
+        self.preemption.install(self.trainer)
+        self.nan_guard.agreed = 0
 
     def optimizer_stepped(self) -> bool:
         """True once after each optimizer step (not after a gradient-accumulation micro-batch): for momentum updates."""
@@ -193,7 +197,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         """False: skip this batch (``on_nan="skip"``); a non-finite loss raises one step later (the NaN guard), saying
         so when the batch's images (``views``) held non-finite values."""
         where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        return self.nan_guard.usable(loss, where, self.nan_hints, views)
+        return self.nan_guard.usable(loss, where, self.nan_hints, views, extra=self.preemption.signum)
 
     def nan_hints(self) -> str:
         """The likely causes of a non-finite loss, named in the guard's error."""
@@ -209,6 +213,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
     # --- after the optimizer step: momentum updates, dictionaries ------------------------------
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.finish_step()
+        self.preemption.after_step(self, self.nan_guard.agreed)  # a stop asked for: save this step, exit
 
     def finish_step(self) -> None:
         """What follows a training step (a momentum update after a real optimizer step, an enqueue); nothing here."""

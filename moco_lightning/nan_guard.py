@@ -5,7 +5,9 @@ once would stall the GPU once per step. So a "not finite" flag is all-reduced (m
 asynchronously, and read at the start of the next step, before a checkpoint is saved, or at the end of training:
 every rank stops at the same step, before a checkpoint holds the bad weights. ``on_nan="skip"`` (one process only)
 skips the batch with a warning instead. The flag also says whether the batch's images held non-finite values (NaN or
-inf pixels), so that the error blames the data, not the lr, when that is the cause.
+inf pixels), so that the error blames the data, not the lr, when that is the cause; and it carries a number of the
+caller's, agreed (the maximum) across ranks by the same collective: the signal of a preempted run
+(:mod:`moco_lightning.preemption`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class NanGuard:
     def __init__(self, on_nan: str, owner: str) -> None:
         self.on_nan, self.owner = on_nan, owner
         self._pending: Optional[tuple] = None  # (flag, event, loss, where) of the last step
+        self.agreed = 0  # the largest ``extra`` any rank passed with the last checked step
 
     def check_trainer(self, trainer: Any) -> None:
         """``on_nan="skip"`` needs one process (DDP ranks must take the same optimizer steps); the losses are fp32
@@ -42,9 +45,11 @@ class NanGuard:
                 "the same optimizer steps (Lightning does not support skipping a batch under DDP); use on_nan='raise'"
             )
 
-    def usable(self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = ()) -> bool:
+    def usable(
+        self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = (), extra: int = 0
+    ) -> bool:
         """False: skip this batch (``on_nan="skip"``). Otherwise the deferred, collective check (see the module);
-        ``inputs``: the batch's images."""
+        ``inputs``: the batch's images; ``extra``: a number agreed across ranks with the flag (:attr:`agreed`)."""
         self.raise_if_pending()
         bad_input = torch.stack([~torch.isfinite(x).all() for x in inputs]).any() if inputs else None
         if self.on_nan == "skip":  # reading the loss synchronises with the device
@@ -58,6 +63,7 @@ class NanGuard:
         flag = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(1)
         if bad_input is not None:  # 3: the loss and the images; 1: the loss alone (MAX across ranks keeps the worst)
             flag = flag + 2 * (bad_input.to(torch.int32) & flag)
+        flag = torch.cat([flag, torch.full((1,), extra, dtype=torch.int32, device=flag.device)])  # a fill, no copy
         if world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         event = None
@@ -74,18 +80,19 @@ class NanGuard:
         """Raises if the last checked loss (of any rank) was not finite."""
         if self._pending is None:
             return
-        flag, event, loss, where, hints = self._pending
+        flags, event, loss, where, hints = self._pending
         self._pending = None
         if event is not None:
             event.synchronize()
-        if int(flag) == 3:
+        flag, self.agreed = int(flags[0]), int(flags[1])
+        if flag == 3:
             raise FloatingPointError(
                 f"{self.owner}: the training batch {where} holds non-finite values (NaN or inf pixels"
                 + ("" if not torch.isfinite(loss) else ", on another rank")
                 + "), so the loss is not finite: check the images and their normalisation (the datamodule's mean and "
                 "std); every rank stopped, no checkpoint was written with the weights of that step"
             )
-        if int(flag):
+        if flag:
             whose = "loss" if not torch.isfinite(loss) else "this rank's loss"
             raise FloatingPointError(
                 f"{self.owner}: {whose} is {loss.item()} {where}"

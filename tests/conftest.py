@@ -131,3 +131,19 @@ class RecordSchedules(Callback):
         momentum = trainer.callback_metrics.get("train/momentum")
         if momentum is not None:
             self.momenta[trainer.global_step - 1] = float(momentum)
+
+
+class SignalAt(Callback):
+    """Sends ``signum`` (a number, or a name such as ``"SIGTERM"``) to its own process at the end of optimizer step
+    ``step`` (after the callbacks listed before it), on every rank or on ``rank`` only: a preemption at a chosen
+    moment."""
+
+    def __init__(self, step: int, signum, rank=None) -> None:
+        import signal
+
+        self.step, self.rank = step, rank
+        self.signum = getattr(signal, signum) if isinstance(signum, str) else signum
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            os.kill(os.getpid(), self.signum)

@@ -86,13 +86,26 @@ def _assert_equal(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+INTERRUPTIONS = {  # how a run is stopped mid-epoch: (callback, the exit code, the step of the checkpoint it leaves)
+    "kill -9": ("    - class_path: conftest.KillAt\n      init_args: {{step: 7}}", -signal.SIGKILL, lambda d: 6),
+    # a preemption noted at the end of step 7 on the last rank: one process saves at that step; with several, the
+    # ranks agree through step 8's all-reduce, read by every rank at step 8's checkpoint save (every 2 steps here;
+    # else at step 9's start), and save together at the end of step 8
+    "SIGTERM": ("    - class_path: conftest.SignalAt\n      init_args: {{step: 7, signum: SIGTERM, rank: {last}}}", 0,
+                lambda d: 7 if d == 1 else 8),
+    "SIGINT": ("    - class_path: conftest.SignalAt\n      init_args: {{step: 7, signum: SIGINT}}", 1, lambda d: 7),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("devices", [1, 2])
-def test_killed_anywhere_the_resumed_run_is_bit_equal_to_the_uninterrupted_one(devices, tmp_path):
+def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninterrupted_one(devices, tmp_path):
     """SIGKILL at the end of step 7 (mid-epoch: 10 steps an epoch with one process, 5 with two; the last checkpoint
     is step 6's), by a callback of the run itself (no sleeps, no polling: the same on a fast or a slow machine), then
     ``--ckpt_path last``: the final weights, queue, optimizer, schedule, RNGs and augmentation generators are
     bit-equal to a run that was never killed, and Lightning does not warn that the loader is not resumable (the
-    resumed epoch skips the 6 batches it had trained on instead of training on its first batches again)."""
+    resumed epoch skips the 6 batches it had trained on instead of training on its first batches again).
+    A preemption (SIGTERM on one rank; Ctrl-C's SIGINT) saves ``last.ckpt`` at a step boundary and exits cleanly,
+    saying so; resumed, it too ends bit-equal."""
     ddp = (
         "  devices: 2\n  strategy:\n    class_path: lightning.pytorch.strategies.DDPStrategy\n"
         "    init_args: {find_unused_parameters: false}\n"
@@ -100,29 +113,73 @@ def test_killed_anywhere_the_resumed_run_is_bit_equal_to_the_uninterrupted_one(d
         else ""
     )
     steps = 20 // devices  # 2 epochs
-    kill = "    - class_path: conftest.KillAt\n      init_args: {step: 7}"
 
-    def run(name: str, kill_it: bool, *extra: str) -> subprocess.CompletedProcess:
+    def run(name: str, interrupt: str, *extra: str) -> subprocess.CompletedProcess:
         config = tmp_path / f"{name}.yaml"
-        text = CONFIG.format(ckpt_dir=tmp_path / name, kill=kill if kill_it else "")
+        stop = INTERRUPTIONS[interrupt][0].format(last=devices - 1) if interrupt else ""
+        text = CONFIG.format(ckpt_dir=tmp_path / name, kill=stop)
         config.write_text(text.replace("trainer:\n", "trainer:\n" + ddp, 1))
         exe, env = cli(config, *extra)
         return subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
-    whole = run("whole", False)
+    whole = run("whole", "")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = run("killed", True)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    last = tmp_path / "killed" / "last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 6
-    resumed = run("killed", False, "--ckpt_path", "last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "not resumable" not in resumed.stderr and "not resumable" not in resumed.stdout
-    final = _final_state(last)
-    assert final["global_step"] == steps and final["epoch"] == 1
-    # the restored run carried the queue on: every step after the kill enqueued its 16 x devices keys
-    assert final["state_dict"]["queue.ptr"].item() == (steps * 16 * devices) % 40
-    assert final["state_dict"]["queue.enqueued_at"].max().item() == steps
+    for interrupt in ("kill -9", "SIGTERM") if devices == 2 else INTERRUPTIONS:
+        name = interrupt.replace(" ", "").replace("-", "")
+        _, code, saved_at = INTERRUPTIONS[interrupt]
+        stopped = run(name, interrupt)
+        assert stopped.returncode == code, (interrupt, stopped.stderr[-2000:])
+        last = tmp_path / name / "last.ckpt"
+        assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == saved_at(devices), interrupt
+        if interrupt != "kill -9":
+            said = f"moco-lightning: {interrupt} at step {saved_at(devices)}: saved a resumable checkpoint to {last}"
+            assert said in stopped.stderr, stopped.stderr[-2000:]
+        resumed = run(name, "", "--ckpt_path", "last")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"Restored all states from the checkpoint at {last}" in resumed.stderr + resumed.stdout
+        assert "not resumable" not in resumed.stderr and "not resumable" not in resumed.stdout
+        final = _final_state(last)
+        assert final["global_step"] == steps and final["epoch"] == 1
+        # the restored run carried the queue on: every step after the stop enqueued its 16 x devices keys
+        assert final["state_dict"]["queue.ptr"].item() == (steps * 16 * devices) % 40
+        assert final["state_dict"]["queue.enqueued_at"].max().item() == steps
+        _assert_equal(final, _final_state(tmp_path / "whole" / "last.ckpt"), f"{interrupt}: checkpoint")
+
+
+def test_slurm_requeue_saves_at_a_step_boundary_and_the_requeued_job_continues_bit_equal(tmp_path):
+    """Under SLURM with auto-requeue, SIGUSR1 at the end of step 7: Lightning's requeue (hpc_ckpt_1.ckpt,
+    ``scontrol requeue <job>``) runs at that step boundary instead of inside the signal handler mid-step; the
+    requeued job (the same command, no --ckpt_path) restores it and ends bit-equal to the run never stopped."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_PROCID="0",
+                 SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost")  # fmt: skip
+
+    def run(name: str, signal_at: bool, on_slurm: bool) -> subprocess.CompletedProcess:
+        config = tmp_path / f"{name}.yaml"
+        stop = "    - class_path: conftest.SignalAt\n      init_args: {step: 7, signum: SIGUSR1}" if signal_at else ""
+        text = CONFIG.format(ckpt_dir=tmp_path / name, kill=stop)
+        config.write_text(text.replace("trainer:\n", f"trainer:\n  default_root_dir: {tmp_path / name}\n", 1))
+        exe, env = cli(config)
+        if on_slurm:
+            env = dict(env, PATH=f"{bin_dir}:{env['PATH']}", **slurm)
+        return subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+    whole = run("whole", False, False)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped = run("slurm", True, True)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    hpc = tmp_path / "slurm" / "hpc_ckpt_1.ckpt"
+    assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 7
+    assert f"SIGUSR1 at step 7: saved a resumable checkpoint to {hpc}" in stopped.stderr
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
+    requeued = run("slurm", False, True)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert f"Restored all states from the checkpoint at {hpc}" in requeued.stderr + requeued.stdout
+    final = _final_state(tmp_path / "slurm" / "last.ckpt")
+    assert final["global_step"] == 20
     _assert_equal(final, _final_state(tmp_path / "whole" / "last.ckpt"), "checkpoint")
 
 
