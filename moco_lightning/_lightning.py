@@ -17,6 +17,8 @@ attribute of Lightning.
 - ``CSVLogger._experiment``: whether its writer exists yet (creating it deletes the version's ``metrics.csv``).
 - ``_accelerator_connector.cluster_environment``, ``_signal_connector._slurm_sigusr_handler_fn``: SLURM's requeue
   at a step boundary (:mod:`moco_lightning.preemption`; Lightning runs it inside the signal handler, mid-step).
+- ``ModelCheckpoint._last_global_step_saved`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the last step
+  of a run in ``last.ckpt`` (:func:`save_last_now`).
 - ``core.saving._load_state``: build a module from a checkpoint already read (``load_from_checkpoint`` minus
   its own ``torch.load``).
 - ``LightningCLI._parse_ckpt_path`` (replaced: it builds a ``--ckpt_path`` run's model from the checkpoint's
@@ -59,7 +61,11 @@ def set_max_steps(trainer: Any, total: int) -> None:
 
 
 def batches_done_in_epoch(trainer: Any) -> int:
-    """Training batches already taken in the current epoch (non-zero in an epoch resumed mid-way)."""
+    """Training batches already taken in the current epoch (non-zero in an epoch resumed mid-way; at
+    ``on_train_start`` of a run resumed at an epoch's end the batch counts are still the finished epoch's)."""
+    epochs = trainer.fit_loop.epoch_progress.current
+    if epochs.processed >= epochs.ready:  # the last epoch that started is processed: the next one has not begun
+        return 0
     return trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
 
@@ -112,9 +118,56 @@ def slurm_requeue(trainer: Any, signum: int) -> str:
     return path
 
 
+def save_last_now(trainer: Any) -> list[str]:
+    """Every ``ModelCheckpoint(save_last=...)`` whose last save is older than this step saves its ``last.ckpt`` now
+    (at the end of training): Lightning saves it at the end only if it never saved one, so a run checkpointed every
+    N steps or minutes ended with a ``last.ckpt`` of an earlier step. Returns the paths written."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    written = []
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
+            if callback._last_global_step_saved != trainer.global_step:
+                callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
+                written.append(callback.last_model_path)
+    return written
+
+
 def experiment_created(logger: Any) -> bool:
     """Whether a ``CSVLogger`` made its writer yet (creating it deletes the version's ``metrics.csv``)."""
     return getattr(logger, "_experiment", None) is not None
+
+
+def saved_mid_epoch(checkpoint: dict) -> int:
+    """The batches of an epoch that a checkpoint was written inside of (0: written at an epoch's end)."""
+    batches = ((checkpoint.get("loops") or {}).get("fit_loop") or {}).get("epoch_loop.batch_progress")
+    if not batches or batches.get("is_last_batch", True):
+        return 0
+    return int(batches["current"]["ready"])
+
+
+def close_finished_epoch(checkpoint: dict) -> bool:
+    """Makes a checkpoint written at the last batch of an epoch (a step checkpoint, before the epoch's end) read as one
+    written at the epoch's end, for a run whose epochs hold another number of batches (other devices).
+
+    Lightning resumes such a checkpoint in the next epoch only if the batches it counted reach the new loader's
+    length: with more batches an epoch (2 processes -> 1) it went on inside the next epoch as if those batches were
+    done there, and trained half of it. Returns whether it changed anything."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not fit:
+        return False
+    batches, epochs = fit.get("epoch_loop.batch_progress"), fit.get("epoch_progress")
+    current = (epochs or {}).get("current")
+    if not batches or not batches.get("is_last_batch") or not current or current["processed"] != current["ready"] - 1:
+        return False
+    for counts in (epochs["current"], epochs["total"]):
+        counts["processed"] += 1
+    for counts in (batches["current"], batches["total"]):
+        counts["completed"] = counts["processed"]
+    state = fit.get("epoch_loop.state_dict")
+    if state is not None and "_batches_that_stepped" in state:
+        state["_batches_that_stepped"] += 1  # counted after on_train_batch_end, where the step checkpoint was saved
+    return True
 
 
 def given_hyperparameters() -> dict:

@@ -164,6 +164,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
 
     def on_train_end(self) -> None:
         self.nan_guard.raise_if_pending()
+        _lightning.save_last_now(self.trainer)  # the run's last step in last.ckpt, whatever the saving interval
 
     # --- a step ---------------------------------------------------------------------------------
     def batch_views(self, batch: Any) -> tuple[list[Tensor], Optional[Tensor]]:

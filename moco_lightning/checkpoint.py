@@ -238,6 +238,28 @@ def check_structure(saved: Mapping, current: Mapping, fields: tuple, who: str) -
         )
 
 
+def check_world_size(checkpoint: dict, meta: Mapping, who: str) -> None:
+    """A checkpoint written inside an epoch resumes with the processes that wrote it: the rest of that epoch is this
+    many ranks' shards of the sampler's order, which another number of processes would split otherwise (images
+    trained twice or never). At an epoch's end any number goes on (the queue is every rank's, the lr and the
+    schedules follow the new global batch)."""
+    from ._lightning import close_finished_epoch, saved_mid_epoch
+
+    saved = meta.get("rng_states")
+    then = len(saved) if isinstance(saved, (list, tuple)) else None
+    if then is None or then == world_size():
+        return
+    close_finished_epoch(checkpoint)  # written at an epoch's last batch: that epoch is over, whatever its new length
+    done = saved_mid_epoch(checkpoint)
+    if done:
+        raise ConfigError(
+            f"{who}: the checkpoint was written {done} batches into an epoch by {then} process(es), and this run has "
+            f"{world_size()}: the rest of that epoch is split among {then} ranks and cannot be continued by "
+            f"{world_size()}; resume it with {then} (trainer.devices x num_nodes), or from a checkpoint written at an "
+            "epoch's end (any number of processes)"
+        )
+
+
 def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
     """The saved RNG states of this rank (format 1: rank 0's, the only ones saved)."""
     saved = meta.get("rng_states")
@@ -289,6 +311,7 @@ def restore_state(module: Any, checkpoint: dict) -> dict:
     check_class(checkpoint, type(module))
     check_structure(checkpoint.get("hyper_parameters", {}), module.hparams, module.STRUCTURAL, who)
     reopen_cut_epoch(checkpoint)
+    check_world_size(checkpoint, meta, who)
     if module._trainer is not None:
         keep_history(module.trainer, module._csv_history, checkpoint.get("global_step", 0))
     module._csv_history = []

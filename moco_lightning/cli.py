@@ -208,21 +208,21 @@ def check_checkpoint_class(ckpt: dict, path: str, model: Any, default: type) -> 
 
 
 def resolve_last_checkpoint(config: Any) -> Optional[str]:
-    """The ``last.ckpt`` of the newest earlier run for ``--ckpt_path last``, or None (with one line saying so).
+    """The checkpoint ``--ckpt_path last`` resumes, or None (with one line saying so): the newest readable
+    ``last.ckpt`` of the earlier runs (or a SLURM requeue's ``hpc_ckpt_N.ckpt``); without one, the newest readable
+    checkpoint of any name there (Lightning's default ``epoch=E-step=S.ckpt``), saying so.
 
     Looks in every ModelCheckpoint's fixed ``dirpath``, else in ``<save_dir>/<name>/version_*/checkpoints`` of the
     first logger (Lightning's default: ``<default_root_dir>/lightning_logs``); the logger is pointed at the version
     found, so the resumed run goes on logging into it."""
     trainer = config["trainer"]
     dirpaths = [
-        _get(_get(cb, "init_args") or {}, "dirpath")
+        Path(d)
         for cb in (trainer.get("callbacks") or [])
         if str(_get(cb, "class_path") or "").endswith("ModelCheckpoint")
+        for d in [_get(_get(cb, "init_args") or {}, "dirpath")]
+        if d
     ]
-    found = [p for d in dirpaths if d for p in Path(d).glob("last*.ckpt")]
-    readable = newest_readable(found) if found else None
-    if readable is not None:
-        return str(readable)
     logger = trainer.get("logger")
     first = logger[0] if isinstance(logger, list) and logger else logger
     root = trainer.get("default_root_dir") or os.getcwd()
@@ -235,24 +235,25 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
         save_dir, name = _get(args, "save_dir") or root, _get(args, "name")
         name = "lightning_logs" if name is None and "TensorBoard" in str(_get(first, "class_path")) else name
     base = Path(save_dir) / name if name else Path(save_dir)
-    found = [p for p in base.glob("version_*/checkpoints/last*.ckpt")] + list(base.glob("checkpoints/last*.ckpt"))
-    if not found:
-        print(
-            f"moco-lightning: --ckpt_path last: no last.ckpt under {base} (version_*/checkpoints): starting a new run",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None
-    newest = newest_readable(found)
+    folders = [*dirpaths, *base.glob("version_*/checkpoints"), base / "checkpoints"]
+    hpc = list(Path(root).glob("hpc_ckpt_*.ckpt"))  # a SLURM requeue's (Lightning's auto-requeue)
+    where = ", ".join([*(str(d) for d in dirpaths), f"{base} (version_*/checkpoints)"])
+    newest, any_name = None, False
+    lasts = [p for d in folders for p in d.glob("last*.ckpt")] + hpc
+    if lasts:
+        newest = newest_readable(lasts)
+    else:
+        others = [p for d in folders for p in d.glob("*.ckpt")]
+        if others:
+            newest, any_name = newest_readable(others), True
     if newest is None:
+        what = "no readable checkpoint" if lasts else "no checkpoint"
         print(
-            f"moco-lightning: --ckpt_path last: no readable checkpoint under {base} ({len(found)} torn or empty): "
-            "starting a new run",
-            file=sys.stderr,
-            flush=True,
+            f"moco-lightning: --ckpt_path last: {what} under {where}: starting a new run", file=sys.stderr, flush=True
         )
         return None
-    version = newest.parent.parent.name
+    in_logger = newest.parent.name == "checkpoints" and newest.parent.parent.parent == base
+    version = newest.parent.parent.name if in_logger else ""
     if version.startswith("version_") and first not in (None, True, False):
         v = version[len("version_") :]
         args["version"] = int(v) if v.isdigit() else version
@@ -264,7 +265,14 @@ def resolve_last_checkpoint(config: Any) -> Optional[str]:
             class_path="lightning.pytorch.loggers.TensorBoardLogger",
             init_args=Namespace(save_dir=str(save_dir), name=name, version=int(v) if v.isdigit() else version),
         )
-    print(f"moco-lightning: --ckpt_path last: resuming {newest}", file=sys.stderr, flush=True)
+    if any_name:
+        print(
+            f"moco-lightning: --ckpt_path last: no last.ckpt under {where}: resuming the newest checkpoint, {newest}",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(f"moco-lightning: --ckpt_path last: resuming {newest}", file=sys.stderr, flush=True)
     return str(newest)
 
 

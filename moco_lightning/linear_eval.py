@@ -336,6 +336,9 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
     def on_train_start(self) -> None:
         _lightning.load_pending_loader_states(self.trainer)  # a resumed epoch continues at its next batch
 
+    def on_train_end(self) -> None:
+        _lightning.save_last_now(self.trainer)  # the run's last step in last.ckpt, whatever the saving interval
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.labelled_indices is not None:
             checkpoint["labelled_indices"] = self.labelled_indices.clone()

@@ -90,7 +90,7 @@ class NanGuard:
                 f"{self.owner}: the training batch {where} holds non-finite values (NaN or inf pixels"
                 + ("" if not torch.isfinite(loss) else ", on another rank")
                 + "), so the loss is not finite: check the images and their normalisation (the datamodule's mean and "
-                "std); every rank stopped, no checkpoint was written with the weights of that step"
+                "std). Every rank stopped; no checkpoint was written with the weights of that step."
             )
         if flag:
             whose = "loss" if not torch.isfinite(loss) else "this rank's loss"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -40,7 +40,8 @@ class StepPlan:
 
     def __init__(self, planned: float, warmup: int, milestones: Sequence[int], global_batch: int) -> None:
         self.planned, self.total, self.warmup, self.milestones = planned, planned, warmup, list(milestones)
-        self.global_batch = global_batch
+        self.global_batch = global_batch  # what the lr is scaled for now
+        self.unit_batch = global_batch  # the images of one planned step (the batch the run was planned with)
         self.knots: list[tuple[int, float]] = [(0, 0.0)]  # (step, position on the planned schedule)
 
     def position(self, step: int) -> float:
@@ -55,9 +56,12 @@ class StepPlan:
                 return p0 + (step - s0) * (p1 - p0) / (s1 - s0)
         return float(step)
 
-    def replan(self, step: int, total: float) -> None:
-        """From ``step`` on, the schedules of a run planned for ``total`` steps (a run resumed with another length)."""
-        self.knots, self.planned, self.total = [(step, float(step))], total, total
+    def replan(self, step: int, total: float, planned: Optional[float] = None) -> None:
+        """From ``step`` on, the schedules of a run planned for ``planned`` steps (default ``total``: a run resumed with
+        another length), reached at ``total``; the steps from ``step`` on advance by ``(planned - position(step)) /
+        (total - step)`` each (another global batch: the share of a planned step that one new step is)."""
+        here = self.position(step)
+        self.knots, self.planned, self.total = [(step, here)], total if planned is None else planned, total
 
     def stretch(self, step: int, total: float) -> None:
         """From ``step`` on, what is left of the planned schedules spans the steps up to ``total``."""
@@ -71,6 +75,7 @@ class StepPlan:
     def from_state(cls, state: dict) -> "StepPlan":
         plan = cls(state["planned"], state["warmup"], state["milestones"], state["global_batch"])
         plan.total, plan.knots = state["total"], [tuple(k) for k in state["knots"]]
+        plan.unit_batch = state.get("unit_batch", state["global_batch"])
         return plan
 
 
@@ -113,29 +118,42 @@ def lr_factor(module: Any, plan: StepPlan, step: int) -> float:
 
 def continue_plan(module: Any, plan: StepPlan) -> None:
     """On resume (``on_train_start``, everything restored): a run given another length follows the schedules planned
-    for its new length from this step on (:meth:`StepPlan.replan`); another global batch rescales the lr (given per
-    256 images). Each with a warning that says what changed, the step the run ends at and the lr it follows."""
+    for its new length from this step on; a run whose epochs hold another number of steps (other devices, another
+    batch size, resumed at an epoch's end, ``max_epochs`` setting the end) continues its schedules from the point it
+    had reached, each new step counting for its share of the planned ones; another global batch rescales the lr
+    (given per 256 images). Each with a warning that says what changed, the step the run ends at and the lr."""
     trainer, step = module.trainer, module.global_step
-    total = steps_at_end(trainer, step)
-    if math.isfinite(plan.planned) and total != plan.total and step < total:
-        before = plan.total
-        plan.replan(step, total)
+    total, batch = steps_at_end(trainer, step), global_batch_size(module)
+    ratio = batch / plan.global_batch
+    by_steps = trainer.max_steps != -1 and total == trainer.max_steps  # max_steps sets the end: a length in steps
+    share = 1.0 if by_steps else batch / plan.unit_batch  # what a step from now on counts for, in planned steps
+    if math.isfinite(plan.planned) and step < total and (total != plan.total or share != 1):
+        before, here = plan.total, plan.position(step)
+        length = here + (total - step) * share  # the run's new length, in the steps of the planned schedules
+        longer = abs(length - plan.planned) >= 1  # another length, not only another batch
+        plan.replan(step, total, length if longer else plan.planned)
         factors = [lr_factor(module, plan, step), lr_factor(module, plan, int(total) - 1)]
         for config in trainer.lr_scheduler_configs:  # the restored lr is the old plan's: this step's on the new one
             scheduler = config.scheduler
             for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
                 group["lr"] = base * factors[0]
-        peak = module.hparams.lr * plan.global_batch / 256
+        peak = module.hparams.lr * batch / 256
         now, last = peak * factors[0], peak * factors[1]
+        lrs = f"{module.hparams.lr_schedule} lr: {now:.4g} now, {last:.4g} at the last step"
+        if longer:
+            what = f"the lr and momentum schedules are those of a run planned for this length ({lrs})"
+        else:
+            what = (
+                f"the lr and momentum schedules continue from where the run was ({here:g} of {plan.planned:g} "
+                f"planned steps of {plan.unit_batch} images), each step of {batch} images counting for {share:g} "
+                f"({lrs})"
+            )
         warnings.warn(
             f"resumed at step {step}, the run now ends at step {int(total)} (the checkpoint's run was planned for "
-            f"{before:g} steps): from step {step} on, the lr and momentum schedules are those of a run planned for "
-            f"{int(total)} steps ({module.hparams.lr_schedule} lr: {now:.4g} now, {last:.4g} at the last step)",
+            f"{before:g} steps): from step {step} on, {what}",
             stacklevel=2,
         )
-    batch = global_batch_size(module)
-    if batch != plan.global_batch:
-        ratio = batch / plan.global_batch
+    if ratio != 1:
         for config in trainer.lr_scheduler_configs:
             config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
         for optimizer in trainer.optimizers:

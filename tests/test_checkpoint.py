@@ -247,3 +247,24 @@ def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
     assert "\n" not in message and "Missing key" not in message
     with pytest.raises(ConfigError, match="a checkpoint of moco_lightning.simclr.SimCLR, not of moco_lightning.moco"):
         MoCo.load_from_checkpoint(tmp_path / "simclr.ckpt")
+
+
+@pytest.mark.parametrize("method", ["MoCo", "SimCLR"])
+def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(method, tmp_path):
+    """A checkpoint every 3 steps (or every few minutes) of a 8-step run: Lightning's last.ckpt held step 6; the
+    run's last step is saved too."""
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import moco_lightning
+
+    model = tiny_moco() if method == "MoCo" else moco_lightning.SimCLR(backbone=tiny_moco().backbone, hidden_dim=16,
+                                                                       dim=8, in_channels=1, image_size=28)  # fmt: skip
+    saving = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_last=True)
+    trainer = cpu_trainer(max_steps=8, max_epochs=-1, callbacks=[saving], enable_checkpointing=True,
+                          limit_val_batches=0)  # fmt: skip
+    trainer.fit(model, tiny_data())
+    last = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 8
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, last["state_dict"][key]), key

@@ -126,7 +126,7 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
     exe = str(Path(sys.executable).with_name("moco-lightning"))
     fresh = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", "last"], cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert "--ckpt_path last: no last.ckpt under runs/tiny (version_*/checkpoints): starting a new run" in fresh.stderr
+    assert "--ckpt_path last: no checkpoint under runs/tiny (version_*/checkpoints): starting a new run" in fresh.stderr
     after_a = torch.load(tmp_path / "runs/tiny/version_0/checkpoints/last.ckpt", weights_only=True)
     assert after_a["global_step"] == 6
     resumed = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "9"], cwd=tmp_path)
@@ -424,3 +424,27 @@ def test_export_to_a_device_and_load_backbone_of_a_directory_are_one_line(tmp_pa
         assert f"--out {out} is not a regular file (a device or a pipe): give a file name" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(tmp_path))} is a directory: give the checkpoint file"):
         load_backbone(tmp_path)
+
+
+def test_ckpt_path_last_without_a_last_ckpt_resumes_the_newest_checkpoint_and_says_so(tmp_path, monkeypatch, capsys):
+    """Lightning's default checkpointing keeps epoch=E-step=S.ckpt and no last.ckpt: ``--ckpt_path last`` resumes the
+    newest of them, saying so (it said "starting a new run"), and logs into its version."""
+    from moco_lightning import MoCo, Pretraining
+    from moco_lightning.cli import run_cli
+
+    monkeypatch.chdir(tmp_path)
+    text = RESUME_CONFIG.replace("max_steps: 6\n  max_epochs: 10", "max_epochs: 2")
+    text = text[: text.index("  callbacks:")] + text[text.index("model:") :]  # Lightning's default ModelCheckpoint
+    (tmp_path / "cfg.yaml").write_text(text)
+    run_cli(Pretraining, ["fit", "--config", "cfg.yaml"], default_model=MoCo)
+    folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
+    assert [p.name for p in folder.glob("*.ckpt")] == ["epoch=1-step=8.ckpt"]
+    capsys.readouterr()
+    args = ["fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_epochs", "3"]
+    cli = run_cli(Pretraining, args, default_model=MoCo)
+    err = capsys.readouterr().err
+    assert (
+        "--ckpt_path last: no last.ckpt under runs/tiny (version_*/checkpoints): resuming the newest checkpoint, "
+        "runs/tiny/version_0/checkpoints/epoch=1-step=8.ckpt"
+    ) in err
+    assert cli.trainer.global_step == 12 and not (tmp_path / "runs" / "tiny" / "version_1").exists()

@@ -112,3 +112,19 @@ def test_v1_v2_configs_decay_every_parameter_as_the_official_code(config):
     from moco_lightning.contrastive import Contrastive  # MoCo's base: the MoCo family decays everything
 
     assert inspect.signature(Contrastive.__init__).parameters["decay_norm_bias"].default is True
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_shipped_config_saves_last_ckpt_every_few_minutes(config):
+    """A kill loses at most 5 minutes of training (the README's "kill -9 at any step" holds for the shipped configs,
+    not only for configs that add every_n_train_steps), and the run's last step is saved too (the modules' end)."""
+    from datetime import timedelta
+
+    import yaml
+
+    callbacks = yaml.safe_load((ROOT / "configs" / config).read_text())["trainer"].get("callbacks") or []
+    saving = [c["init_args"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint")]
+    last = [args for args in saving if args.get("save_last")]
+    assert len(last) == 1, saving  # one last.ckpt (two callbacks saving last would write last-v1.ckpt)
+    h, m, s = (int(x) for x in last[0]["train_time_interval"].split(":"))
+    assert timedelta(hours=h, minutes=m, seconds=s) <= timedelta(minutes=5)

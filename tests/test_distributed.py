@@ -445,3 +445,58 @@ def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_s
         resumed = dict(torch.load(tmp_path / f"resumed{rank}.pt"))
         assert sorted(resumed) == [2, 3] and all(resumed[s] == whole[s] for s in (2, 3)), (rank, whole, resumed)
     assert dict(torch.load(tmp_path / "whole0.pt"))[2] != dict(torch.load(tmp_path / "whole1.pt"))[2]
+
+
+class RecordLRs(Callback):
+    """The lr of each optimizer step, saved per rank at the end (the callback runs in spawned processes)."""
+
+    def __init__(self, out_dir, tag):
+        self.out_dir, self.tag, self.lrs = out_dir, tag, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.lrs, os.path.join(self.out_dir, f"{self.tag}{trainer.global_rank}.pt"))
+
+
+def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_mid_epoch(tmp_path):
+    """2 processes -> 1 at an epoch's end: the queue goes on, the cosine lr continues from the point the run had
+    reached (each step of 16 images counts for half a planned step of 32) at half the peak; mid-epoch, one line
+    refuses it (the epoch's rest is 2 ranks' shards). 1 -> 2 at the next epoch's end goes on the same way."""
+    import warnings
+
+    from conftest import tiny_data
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from moco_lightning.errors import ConfigError
+    from moco_lightning.optim import cosine
+
+    def run(devices, tag, ckpt_path=None):
+        seed_everything(0, verbose=False)
+        model = tiny_moco(lr_schedule="cosine", queue_size=48)
+        ddp = dict(devices=2, strategy=DDPStrategy(start_method="spawn", find_unused_parameters=False))
+        saver = ModelCheckpoint(dirpath=tmp_path / tag, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        trainer = cpu_trainer(max_epochs=4, callbacks=[saver, RecordLRs(str(tmp_path), tag)], limit_val_batches=0,
+                              enable_checkpointing=True, **(ddp if devices == 2 else {}))  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(model, tiny_data(), ckpt_path=ckpt_path)
+        return trainer
+
+    run(2, "two")  # 2 steps of 2 x 16 images an epoch: 8 steps, a checkpoint after each (4: epoch 1's end)
+    with pytest.raises(ConfigError, match=r"written 1 batches into an epoch by 2 process\(es\), and this run has 1"):
+        run(1, "refused", ckpt_path=tmp_path / "two" / "step=3.ckpt")
+    one = run(1, "one", ckpt_path=tmp_path / "two" / "step=4.ckpt")  # 4 steps of 16 an epoch: 2 epochs left
+    assert one.global_step == 12
+    lrs = torch.load(tmp_path / "one0.pt")
+    for step in range(4, 12):
+        position = 4 + (step - 4) / 2  # of the 8 planned steps of 32 images
+        assert lrs[step] == pytest.approx(0.06 * 16 / 256 * cosine(position, 8, 1.0, 0.0), rel=1e-6), step
+    queue = torch.load(tmp_path / "one" / "step=12.ckpt", weights_only=True)["state_dict"]["queue.ptr"]
+    assert int(queue) == (4 * 32 + 8 * 16) % 48  # the 2-process run's keys, then 8 steps of 16
+    run(2, "again", ckpt_path=tmp_path / "one" / "step=8.ckpt")  # epoch 2's end (position 6 of 8): 1 epoch left
+    again = torch.load(tmp_path / "again0.pt")
+    assert sorted(again) == [8, 9]
+    for step in (8, 9):
+        assert again[step] == pytest.approx(0.06 * 32 / 256 * cosine(6 + step - 8, 8, 1.0, 0.0), rel=1e-6), step
