@@ -311,7 +311,8 @@ def restore_state(module: Any, checkpoint: dict) -> dict:
     check_class(checkpoint, type(module))
     check_structure(checkpoint.get("hyper_parameters", {}), module.hparams, module.STRUCTURAL, who)
     reopen_cut_epoch(checkpoint)
-    check_world_size(checkpoint, meta, who)
+    if module._trainer is not None and module.trainer.state.fn == "fit":  # resuming (not loading the weights)
+        check_world_size(checkpoint, meta, who)
     if module._trainer is not None:
         keep_history(module.trainer, module._csv_history, checkpoint.get("global_step", 0))
     module._csv_history = []

@@ -487,6 +487,11 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     run(2, "two")  # 2 steps of 2 x 16 images an epoch: 8 steps, a checkpoint after each (4: epoch 1's end)
     with pytest.raises(ConfigError, match=r"written 1 batches into an epoch by 2 process\(es\), and this run has 1"):
         run(1, "refused", ckpt_path=tmp_path / "two" / "step=3.ckpt")
+    from conftest import tiny_backbone  # its weights load in one process all the same (export, evaluation)
+
+    loaded = MoCo.load_from_checkpoint(tmp_path / "two" / "step=3.ckpt", backbone=tiny_backbone())
+    saved = torch.load(tmp_path / "two" / "step=3.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(v, saved[k]) for k, v in loaded.state_dict().items())
     one = run(1, "one", ckpt_path=tmp_path / "two" / "step=4.ckpt")  # 4 steps of 16 an epoch: 2 epochs left
     assert one.global_step == 12
     lrs = torch.load(tmp_path / "one0.pt")

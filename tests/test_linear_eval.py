@@ -191,6 +191,7 @@ def _cli(path: Path, root: Path, *extra: str) -> None:
             "--trainer.limit_val_batches=1",
             "--trainer.logger=false",
             "--trainer.enable_checkpointing=false",
+            "--trainer.callbacks=[]",  # the config's ModelCheckpoint (last.ckpt every 5 minutes) off too
             "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false",
             f"--trainer.default_root_dir={root}",
