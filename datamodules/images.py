@@ -26,7 +26,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from moco_lightning.errors import ConfigError, DataNotFoundError
+from moco_lightning.errors import BadInputError, ConfigError, DataNotFoundError
 
 from .base import SeededRandomSampler
 from .transforms import random_resized_crop_box
@@ -156,7 +156,7 @@ def load_image(path: str, channels: int = 3) -> Image.Image:
         raise BadImageError(path, e) from e
 
 
-class BadImageError(RuntimeError):
+class BadImageError(BadInputError):
     """Image files that cannot be decoded (corrupt, truncated, not an image): ``path``/``cause`` is the first,
     ``found`` all of them ``[(path, cause)]`` when the split was scanned."""
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from . import __version__
 from .distributed import gather_objects, rank, world_size
 from .errors import ConfigError, DataNotFoundError
+from .version import __version__
 
 FORMAT_VERSION = 3  # bumped when the layout of the saved state changes
 ALLOW_PICKLE = "MOCO_LIGHTNING_ALLOW_PICKLE"  # "1": load checkpoints with full pickle (trusted sources only)

@@ -18,6 +18,10 @@ class DataNotFoundError(ConfigError, FileNotFoundError):
     """A dataset, folder or checkpoint that is not where the settings say."""
 
 
+class BadInputError(RuntimeError):
+    """Input data that cannot be used as it is (an image file that does not decode), found while reading it."""
+
+
 #: the range rules of :func:`check_arguments`: (test, what the message says is allowed)
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "> 0": (lambda v: v > 0, "a number > 0"),

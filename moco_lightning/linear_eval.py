@@ -409,15 +409,7 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    """``python -m moco_lightning.linear_eval fit --config configs/linear_eval.yaml``"""
-    from .cli import end_process_group, run_cli  # the library's CLI, which ends fit with the final metrics
+if __name__ == "__main__":  # python -m moco_lightning.linear_eval fit ...: the library's CLI over LinearClassifier
+    from moco_lightning.cli.linear import main
 
-    try:
-        run_cli(LinearClassifier, args)
-    finally:
-        end_process_group()
-
-
-if __name__ == "__main__":
     main()

@@ -448,3 +448,16 @@ def test_ckpt_path_last_without_a_last_ckpt_resumes_the_newest_checkpoint_and_sa
         "runs/tiny/version_0/checkpoints/epoch=1-step=8.ckpt"
     ) in err
     assert cli.trainer.global_step == 12 and not (tmp_path / "runs" / "tiny" / "version_1").exists()
+
+
+def test_linear_is_a_subcommand_of_moco_lightning(tmp_path, monkeypatch, capsys):
+    """``moco-lightning linear fit ...`` is ``python -m moco_lightning.linear_eval fit ...``, its messages named after
+    the command that was typed."""
+    from moco_lightning.cli import main
+
+    config = str(ROOT / "configs" / "linear_eval.yaml")
+    monkeypatch.setattr("sys.argv", ["moco-lightning", "linear", "fit", "--config", config, "--model.lr=-1"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err[0].startswith("moco-lightning linear fit: error: need lr > 0"), err

@@ -13,8 +13,9 @@ from lightning.pytorch import Callback, LightningDataModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from moco_lightning.cli.linear import main
 from moco_lightning.errors import ConfigError
-from moco_lightning.linear_eval import LinearClassifier, main
+from moco_lightning.linear_eval import LinearClassifier
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "linear_eval.yaml"
 

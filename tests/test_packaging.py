@@ -30,7 +30,7 @@ def test_wheel_installs_one_namespace_and_imports(tmp_path):
     wheel = next(tmp_path.glob("moco_lightning-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "moco_lightning/datamodules/fashion_mnist.py" in names
-    assert "moco_lightning/callbacks/__init__.py" in names
+    assert "moco_lightning/callbacks/__init__.py" in names and "moco_lightning/cli/resume.py" in names
     tops = {n.split("/")[0] for n in names}
     assert not tops & {"callbacks", "datamodules", "tests", "configs"}, tops
     site = tmp_path / "site"
@@ -41,8 +41,8 @@ def test_wheel_installs_one_namespace_and_imports(tmp_path):
         timeout=240,
     )
     code = (
-        "import moco_lightning, moco_lightning.datamodules as d, moco_lightning.callbacks;"
-        "print(moco_lightning.__file__); print(d.FashionMNISTDataModule.__name__)"
+        "import moco_lightning, moco_lightning.datamodules as d, moco_lightning.callbacks, moco_lightning.cli;"
+        "print(moco_lightning.__file__); print(d.FashionMNISTDataModule.__name__, moco_lightning.__version__)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -54,6 +54,7 @@ def test_wheel_installs_one_namespace_and_imports(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(str(site)) and "FashionMNISTDataModule" in out.stdout
+    assert wheel.name.startswith("moco_lightning-0.2.0-")  # setup.cfg reads the version from moco_lightning/version.py
 
 
 def test_lightning_requirement_forwards_set_epoch_to_our_samplers():
@@ -78,3 +79,51 @@ def test_lightning_requirement_forwards_set_epoch_to_our_samplers():
     first = list(wrapper)
     wrapper.set_epoch(1)
     assert inner.epoch == 1 and list(wrapper) != first
+
+
+def test_no_module_imports_a_module_that_imports_it_back():
+    """The library's import graph (every ``import`` in moco_lightning/, datamodules/, callbacks/, at module level or
+    inside functions; a ``__main__`` block excepted) has no cycle: the package's ``__init__`` is imported by no module
+    of it (``__version__`` has its own), and the command line is imported by none of the modules it runs."""
+    import ast
+
+    folders = {
+        "moco_lightning": ROOT / "moco_lightning",
+        "moco_lightning.datamodules": ROOT / "datamodules",
+        "moco_lightning.callbacks": ROOT / "callbacks",
+        "moco_lightning.cli": ROOT / "moco_lightning" / "cli",
+    }
+    files = {}
+    for package, folder in folders.items():
+        for path in folder.glob("*.py"):
+            files[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+
+    def imported(module: str, node: ast.AST) -> set:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names} & files.keys()
+        base = module.split(".") if files[module].stem == "__init__" else module.split(".")[:-1]
+        target = (
+            ".".join(base[: len(base) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+        )
+        subs = {f"{target}.{a.name}" for a in node.names}
+        return (subs | ({target} if subs - files.keys() else set())) & files.keys()
+
+    graph = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        main_blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        skipped = {id(x) for block in main_blocks for x in ast.walk(block)}
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skipped]
+        graph[module] = set().union(*(imported(module, n) for n in nodes)) - {module}
+
+    def reaches(start: str) -> set:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    assert len(graph) > 40
+    cycles = sorted(m for m in graph if m in reaches(m))
+    assert not cycles, {m: sorted(graph[m] & {n for n in cycles if m in reaches(n)}) for m in cycles}
