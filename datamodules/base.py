@@ -30,6 +30,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from moco_lightning.compat import augment_states_per_rank
 from moco_lightning.errors import ConfigError
 
 from .transforms import ViewSettings, linear_eval_views
@@ -276,9 +277,7 @@ class TwoViewDataModule(LightningDataModule):
         return {"augment_rng": gather_objects(mine)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("augment_rng")
-        # 0.1.0 saved rank 0's state alone (a tensor); since then, one state per rank
-        self._generator_states = [saved] if isinstance(saved, Tensor) else saved
+        self._generator_states = augment_states_per_rank(state_dict.get("augment_rng"))
         self._generator = None
 
     def _rank(self) -> int:

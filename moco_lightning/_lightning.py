@@ -19,6 +19,8 @@ attribute of Lightning.
   at a step boundary (:mod:`moco_lightning.preemption`; Lightning runs it inside the signal handler, mid-step).
 - ``ModelCheckpoint._last_global_step_saved`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the last step
   of a run in ``last.ckpt`` (:func:`save_last_now`).
+- ``LightningModule._trainer``: whether a Trainer runs the module (:func:`attached_trainer`; ``module.trainer``
+  raises outside a fit).
 - ``core.saving._load_state``: build a module from a checkpoint already read (``load_from_checkpoint`` minus
   its own ``torch.load``).
 - ``LightningCLI._parse_ckpt_path`` (replaced: it builds a ``--ckpt_path`` run's model from the checkpoint's
@@ -45,6 +47,11 @@ def load_pending_loader_states(trainer: Any) -> None:
     fit_loop = getattr(trainer, "fit_loop", None)
     if fit_loop is not None and getattr(fit_loop, "_combined_loader_states_to_load", None):
         fit_loop._load_combined_loader_states()
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer running ``module``, or None (a module loaded with ``load_from_checkpoint``)."""
+    return getattr(module, "_trainer", None)
 
 
 def ensure_train_dataloader(trainer: Any) -> Any:

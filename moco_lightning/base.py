@@ -2,9 +2,10 @@
 
 :class:`Pretraining` owns the backbone (``forward(x)`` returns its features: the evaluation callbacks, linear
 evaluation and export need nothing else), hands the optimizer and the schedules to :mod:`moco_lightning.plan`, the
-non-finite-loss check to :mod:`moco_lightning.nan_guard`, and the checkpoint's metadata, checks and resume state to
-:mod:`moco_lightning.checkpoint`. A method subclasses it, builds its heads in ``__init__``, lists its trained modules
-in :meth:`trained_modules` and writes :meth:`views_loss` (or its own ``training_step``).
+non-finite-loss check to :mod:`moco_lightning.nan_guard`, a preemption to :mod:`moco_lightning.preemption`, and the
+checkpoint's metadata, checks and resume state to :mod:`moco_lightning.run_state`. A method subclasses it, builds its
+heads in ``__init__``, lists its trained modules in :meth:`trained_modules` and writes :meth:`views_loss` (or its own
+``training_step``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from . import _lightning, plan
-from . import checkpoint as ckpt
+from . import _lightning, plan, run_state
 from .backbones import build_backbone, is_backbone_spec
 from .batches import is_views_batch, split_views
+from .checkpoint import SafeLoading
+from .checkpoint_io import load_checkpoints_safely
 from .distributed import equal_batches, world_size
 from .errors import check_arguments
 from .log_history import read_csv_history
@@ -27,7 +29,7 @@ from .nan_guard import NanGuard
 from .preemption import Preemption
 
 
-class Pretraining(ckpt.SafeLoading, LightningModule):
+class Pretraining(SafeLoading, LightningModule):
     """Base of the pretraining modules.
 
     Args:
@@ -114,6 +116,10 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         """What ``compile=True`` compiles: every child module with parameters (encoders, heads, momentum copies)."""
         return [m for m in self.children() if next(m.parameters(), None) is not None]
 
+    def attached_trainer(self) -> Any:
+        """The Trainer running this module, or None (``self.trainer`` raises outside a fit)."""
+        return _lightning.attached_trainer(self)
+
     def momentum_copies(self) -> dict[str, str]:
         """``{source child: its momentum copy}`` (MoCo's key encoder, BYOL's target), recorded in checkpoints."""
         return {}
@@ -128,7 +134,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
         self._csv_history = read_csv_history(self.trainer)  # a resumed run keeps them (on_load_checkpoint)
 
     def setup(self, stage: str) -> None:
-        ckpt.load_checkpoints_safely(self.trainer)  # before the Trainer restores a ckpt_path
+        load_checkpoints_safely(self.trainer)  # before the Trainer restores a ckpt_path
         _lightning.keep_out_of_ddp_broadcast(self, self.dictionary_buffers())
         if stage != "fit":
             return
@@ -146,7 +152,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
 
     def on_train_start(self) -> None:
         self._equal_batches = equal_batches(self.trainer.train_dataloader)
-        ckpt.continue_run(self, self._resume)  # RNG states, the loader's position, the schedules
+        run_state.continue_run(self, self._resume)  # RNG states, the loader's position, the schedules
         self._resume = {}
         self._stepped = self.global_step
         self.preemption.install(self.trainer)
@@ -245,7 +251,7 @@ class Pretraining(ckpt.SafeLoading, LightningModule):
 
     # --- checkpoints ------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        ckpt.save_state(self, checkpoint)
+        run_state.save_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._resume = ckpt.restore_state(self, checkpoint)
+        self._resume = run_state.restore_state(self, checkpoint)

@@ -15,7 +15,6 @@ encoder or BYOL's target.
 from __future__ import annotations
 
 import argparse
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
@@ -24,7 +23,8 @@ import torch
 from torch import nn
 
 from .backbones import is_backbone_spec
-from .checkpoint import read_checkpoint
+from .checkpoint_io import read_checkpoint
+from .compat import format2_momentum_copy
 from .errors import ConfigError
 
 ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
@@ -40,9 +40,7 @@ def momentum_backbone(checkpoint: dict) -> Optional[str]:
     copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies")
     if copies is not None:
         return copies.get("backbone")
-    # format 2 did not record the copies: the one child named <prefix>_backbone holds it
-    names = {m.group(1) for k in checkpoint["state_dict"] if (m := re.match(r"(\w+_backbone)\.", k))}
-    return names.pop() if len(names) == 1 else None
+    return format2_momentum_copy(checkpoint["state_dict"])
 
 
 def checkpoint_backbone(

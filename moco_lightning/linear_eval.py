@@ -32,8 +32,9 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from . import _lightning
-from . import checkpoint as ckpt
 from .backbones import build_backbone
+from .checkpoint import SafeLoading
+from .checkpoint_io import load_checkpoints_safely, read_checkpoint
 from .errors import ConfigError
 from .log_history import keep_history, read_csv_history
 
@@ -69,8 +70,8 @@ def balanced_subset(
 
 
 def _read_checkpoint(path: str) -> Any:
-    """A checkpoint of pretraining or an export (weights only: :func:`moco_lightning.checkpoint.read_checkpoint`)."""
-    return ckpt.read_checkpoint(path, expect="either", arg="model.ckpt_path")
+    """A checkpoint of pretraining or an export (weights only: :func:`moco_lightning.checkpoint_io.read_checkpoint`)."""
+    return read_checkpoint(path, expect="either", arg="model.ckpt_path")
 
 
 def load_backbone_weights(backbone: nn.Module, path: str) -> None:
@@ -89,7 +90,7 @@ def pretrained_backbone(path: str) -> tuple[nn.Module, int]:
     return LinearClassifier._from_checkpoint(path)
 
 
-class LinearClassifier(ckpt.SafeLoading, LightningModule):
+class LinearClassifier(SafeLoading, LightningModule):
     """A linear layer on a frozen backbone kept in eval mode, trained by the MoCo linear protocol.
 
     The backbone comes from one of:
@@ -258,7 +259,7 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
 
     def setup(self, stage: str) -> None:
         hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
-        ckpt.load_checkpoints_safely(self.trainer)
+        load_checkpoints_safely(self.trainer)
         self._check_data(dm)
         if stage == "fit":
             self._check_classes(dm)
@@ -345,7 +346,7 @@ class LinearClassifier(ckpt.SafeLoading, LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         _lightning.reopen_cut_epoch(checkpoint)  # a run stopped by max_steps mid-epoch continues that epoch
-        if self._trainer is not None:
+        if _lightning.attached_trainer(self) is not None:
             keep_history(self.trainer, getattr(self, "_csv_history", []), checkpoint.get("global_step", 0))
         self._csv_history = []
 

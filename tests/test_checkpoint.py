@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from moco_lightning import MoCo, Pretraining, load_backbone
-from moco_lightning.checkpoint import ALLOW_PICKLE, read_checkpoint
+from moco_lightning.checkpoint_io import ALLOW_PICKLE, read_checkpoint
 from moco_lightning.cli import run_cli
 from moco_lightning.errors import ConfigError
 

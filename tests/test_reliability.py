@@ -14,8 +14,8 @@ from conftest import cpu_trainer, tiny_data, tiny_moco
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import MoCo
-from moco_lightning.checkpoint import FORMAT_VERSION
 from moco_lightning.export import backbone_state_dict, export_backbone
+from moco_lightning.run_state import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 

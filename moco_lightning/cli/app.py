@@ -14,7 +14,8 @@ from lightning.pytorch.cli import LightningCLI
 
 from .._lightning import CLIHooks
 from ..base import Pretraining
-from ..checkpoint import read_checkpoint, upgrade
+from ..checkpoint_io import read_checkpoint
+from ..compat import upgrade
 from ..errors import BadInputError, ConfigError
 from ..moco import MoCo
 from ..precision import AutoPrecisionTrainer
@@ -134,7 +135,7 @@ def from_config(config: Any, *overrides: str) -> tuple[Any, Any]:
     """``(model, datamodule)`` of a config of ``moco-lightning fit``, with command-line style overrides
     (``"--model.width=0.25"``), built by the same CLI and not run: a config in Python code, without the Trainer's
     logger and callbacks."""
-    from ._lightning import own_hyperparameters
+    from .._lightning import own_hyperparameters
 
     args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
     with own_hyperparameters():  # also inside another module being built by a CLI

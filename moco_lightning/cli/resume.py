@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..checkpoint import read_checkpoint
+from ..checkpoint_io import read_checkpoint
 from ..errors import ConfigError
 
 

@@ -1,0 +1,76 @@
+"""What earlier versions of moco-lightning wrote, read in one place; each path is removed in the release named.
+
+- checkpoint formats 1 and 2 (moco-lightning 0.1 and 0.2): :func:`upgrade` brings their hyper-parameters and state
+  to today's classes; :func:`rng_states_per_rank` reads format 1's RNG states (rank 0's alone);
+  :func:`format2_momentum_copy` finds the momentum copy format 2 did not record;
+- the datamodules' augmentation state of 0.1.0 (rank 0's generator state alone): :func:`augment_states_per_rank`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from typing import Any, Mapping, Optional
+
+REMOVED_IN = "0.4.0"  # the release that stops reading the formats of 0.1 and 0.2
+CURRENT_FORMAT = 3  # moco_lightning.run_state.FORMAT_VERSION: formats below it are upgraded here
+
+
+def constructor_arguments(cls: type) -> set[str]:
+    """The arguments ``cls(...)`` accepts: its ``__init__``'s and, through ``**kwargs``, its bases' (to Lightning's)."""
+    from lightning.pytorch import LightningModule
+
+    names: set[str] = set()
+    for c in cls.__mro__:
+        if c is LightningModule or not issubclass(c, LightningModule):
+            break
+        if "__init__" in vars(c):
+            params = inspect.signature(c.__init__).parameters.values()
+            names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return names
+
+
+def upgrade(checkpoint: dict, cls: type) -> None:
+    """A format-1/2 checkpoint of ``cls`` in today's layout (in place; nothing to do for format 3).
+
+    Format 2 recorded as hyper-parameters the values that MoCo v3, EndToEnd and MemoryBankMoCo passed to MoCo's
+    constructor (``queue_size=0``, ``momentum=0.0``, ``head='mlp'``...) and kept an empty queue in their state: these
+    classes no longer take or have them. Dropped settings that were the user's (EndToEnd's ``shuffle_bn``) are
+    named in a warning."""
+    meta = checkpoint.get("moco_lightning") or {}
+    if meta.get("format_version", CURRENT_FORMAT) >= CURRENT_FORMAT:
+        return
+    hparams = checkpoint.get("hyper_parameters") or {}
+    accepted = constructor_arguments(cls)
+    dropped = {k: hparams.pop(k) for k in list(hparams) if not k.startswith("_") and k not in accepted}
+    fixed = {"queue_size": 0, "momentum": 0.0, "momentum_schedule": "constant", "head": "mlp", "symmetric": True}
+    own = {k: v for k, v in dropped.items() if k not in fixed or fixed[k] != v}
+    if own:
+        warnings.warn(
+            f"{cls.__name__} no longer takes {', '.join(sorted(own))} (a format-{meta.get('format_version')} "
+            "checkpoint): ignored",
+            stacklevel=3,
+        )
+    state = checkpoint.get("state_dict") or {}
+    if "queue.keys" in state and state["queue.keys"].numel() == 0:  # the empty queue of a queue-free dictionary
+        for name in ("queue.keys", "queue.ptr", "queue.enqueued_at"):
+            state.pop(name, None)
+
+
+def rng_states_per_rank(saved: Any) -> list:
+    """The saved RNG states as one entry per rank: format 1 saved rank 0's alone (a mapping)."""
+    return [saved] if isinstance(saved, Mapping) else list(saved)
+
+
+def format2_momentum_copy(state_dict: Mapping) -> Optional[str]:
+    """Format 2 did not record the momentum copies: the one child named ``<prefix>_backbone`` holds the backbone's."""
+    names = {m.group(1) for k in state_dict if (m := re.match(r"(\w+_backbone)\.", k))}
+    return names.pop() if len(names) == 1 else None
+
+
+def augment_states_per_rank(saved: Any) -> Any:
+    """A datamodule's augmentation generator states, one per rank: 0.1.0 saved rank 0's alone (a tensor)."""
+    import torch
+
+    return [saved] if isinstance(saved, torch.Tensor) else saved
