@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from . import _lightning, plan, run_state
-from .backbones import build_backbone, is_backbone_spec
+from .backbones import build_backbone, is_backbone_spec, warn_cifar_stem
 from .batches import is_views_batch, split_views
 from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
@@ -36,7 +36,7 @@ class Pretraining(SafeLoading, LightningModule):
         backbone: torchvision model name, ``"timm:<name>"``, or an ``nn.Module`` returning features (N, D).
         stem: ResNets: ``"imagenet"`` (torchvision's), ``"cifar"`` (3x3 stride 1, no max-pool) or ``"cifar_stride2"``
             (3x3 stride 2, no max-pool: 14x14 maps at 28 px); :data:`moco_lightning.backbones.STEMS`. ``cifar_stem``:
-            its older spelling of ``"cifar"`` (None: ``cifar_stem`` decides).
+            its older spelling of ``"cifar"``, deprecated (a warning; removed in 0.4).
         in_channels: image channels (1 for grayscale).
         image_size: input side, used only to find the feature size of models that need it.
         width: torchvision ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).
@@ -87,6 +87,7 @@ class Pretraining(SafeLoading, LightningModule):
         # from a class_path (its spec rebuilds it), not when a Python caller passed one
         described = is_backbone_spec(_lightning.given_hyperparameters().get("backbone"))
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) and not described else None)
+        warn_cifar_stem(cifar_stem, type(self).__name__)
         self.backbone, self.feature_dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width, stem)
         self.nan_guard = NanGuard(on_nan, type(self).__name__)
         self.preemption = Preemption()  # SIGTERM / SIGINT / SLURM's requeue: a checkpoint at a step boundary

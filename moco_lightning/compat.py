@@ -3,6 +3,7 @@
 - checkpoint formats 1 and 2 (moco-lightning 0.1 and 0.2): :func:`upgrade` brings their hyper-parameters and state
   to today's classes; :func:`rng_states_per_rank` reads format 1's RNG states (rank 0's alone);
   :func:`format2_momentum_copy` finds the momentum copy format 2 did not record;
+- ``cifar_stem: true`` in the hyper-parameters (deprecated in 0.3): :func:`stem_of_cifar_stem`;
 - the datamodules' augmentation state of 0.1.0 (rank 0's generator state alone): :func:`augment_states_per_rank`.
 """
 
@@ -32,12 +33,13 @@ def constructor_arguments(cls: type) -> set[str]:
 
 
 def upgrade(checkpoint: dict, cls: type) -> None:
-    """A format-1/2 checkpoint of ``cls`` in today's layout (in place; nothing to do for format 3).
+    """A checkpoint of ``cls`` in today's layout (in place): ``cifar_stem`` as ``stem``, and for format 1/2 more.
 
     Format 2 recorded as hyper-parameters the values that MoCo v3, EndToEnd and MemoryBankMoCo passed to MoCo's
     constructor (``queue_size=0``, ``momentum=0.0``, ``head='mlp'``...) and kept an empty queue in their state: these
     classes no longer take or have them. Dropped settings that were the user's (EndToEnd's ``shuffle_bn``) are
     named in a warning."""
+    stem_of_cifar_stem(checkpoint.get("hyper_parameters") or {})
     meta = checkpoint.get("moco_lightning") or {}
     if meta.get("format_version", CURRENT_FORMAT) >= CURRENT_FORMAT:
         return
@@ -56,6 +58,13 @@ def upgrade(checkpoint: dict, cls: type) -> None:
     if "queue.keys" in state and state["queue.keys"].numel() == 0:  # the empty queue of a queue-free dictionary
         for name in ("queue.keys", "queue.ptr", "queue.enqueued_at"):
             state.pop(name, None)
+
+
+def stem_of_cifar_stem(hparams: dict) -> None:
+    """``cifar_stem: true`` (deprecated in 0.3) read as ``stem: cifar``, so that an older checkpoint reloads and resumes
+    without the deprecation warning and agrees with a config that says ``stem: cifar``."""
+    if hparams.get("cifar_stem") and hparams.get("stem") in (None, "cifar"):
+        hparams["cifar_stem"], hparams["stem"] = False, "cifar"
 
 
 def rng_states_per_rank(saved: Any) -> list:

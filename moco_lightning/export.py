@@ -102,7 +102,7 @@ def rebuild_export(state: Any, path: str | Path) -> tuple[nn.Module, int]:
     architecture = description(state) if isinstance(state, dict) else None
     if architecture is None:
         raise ConfigError(
-            f"{path} does not say which backbone it holds (exported before moco-lightning 0.3, or not by its export):"
+            f"{path} does not say which backbone it holds (exported by an older moco-lightning, or not by its export):"
             " build the architecture yourself and load_state_dict this file into it, or export again"
         )
     model, dim = build_backbone(**architecture)

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from . import _lightning
-from .backbones import build_backbone
+from .backbones import build_backbone, warn_cifar_stem
 from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely, read_checkpoint
 from .errors import ConfigError
@@ -198,6 +198,7 @@ class LinearClassifier(SafeLoading, LightningModule):
             if isinstance(backbone, nn.Module) and feature_dim is not None:
                 self.backbone, dim = backbone, feature_dim
             else:
+                warn_cifar_stem(cifar_stem, "LinearClassifier")
                 self.backbone, dim = build_backbone(backbone, cifar_stem, in_channels, image_size, width, stem)
             weights = ckpt_path if ckpt_path is not None else backbone_state_dict
             if weights is not None and not from_scratch:

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Protocol
 import numpy as np
 import torch
 
-from .compat import rng_states_per_rank, upgrade
+from .compat import rng_states_per_rank, stem_of_cifar_stem, upgrade
 from .distributed import gather_objects, rank, world_size
 from .errors import ConfigError
 from .version import __version__
@@ -187,7 +187,9 @@ def restore_state(module: Resumable, checkpoint: dict) -> dict:
     meta = checkpoint.get("moco_lightning")
     check_format(meta, who)
     check_class(checkpoint, type(module))
-    check_structure(checkpoint.get("hyper_parameters", {}), module.hparams, module.STRUCTURAL, who)
+    current = dict(module.hparams)
+    stem_of_cifar_stem(current)  # the module's own cifar_stem=True is stem "cifar", as the checkpoint's
+    check_structure(checkpoint.get("hyper_parameters", {}), current, module.STRUCTURAL, who)
     reopen_cut_epoch(checkpoint)
     trainer = module.attached_trainer()
     if trainer is not None and trainer.state.fn == "fit":  # resuming (not loading the weights)

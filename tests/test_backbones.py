@@ -128,3 +128,24 @@ def test_the_stem_travels_with_exports_and_from_scratch_baselines(tmp_path):
     assert rebuilt.conv1.stride == (2, 2) and isinstance(rebuilt.maxpool, nn.Identity)
     scratch = LinearClassifier(ckpt_path=str(tmp_path / "m.ckpt"), from_scratch=True, num_classes=10)
     assert scratch.backbone.conv1.stride == (2, 2) and str(scratch.backbone) == str(model.backbone)
+
+
+def test_cifar_stem_is_the_deprecated_spelling_of_stem_cifar_and_old_checkpoints_read_it_as_stem(tmp_path):
+    """``cifar_stem=True`` builds the ``stem="cifar"`` network with a FutureWarning naming its replacement; a
+    checkpoint that recorded it (format 2, moco-lightning 0.2) reloads as ``stem="cifar"`` without the warning."""
+    import warnings
+
+    from conftest import FIXTURE_CKPT
+
+    from moco_lightning import MoCo
+
+    args = dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, hidden_dim=16, dim=8, queue_size=32)
+    with pytest.warns(FutureWarning, match=r"MoCo: cifar_stem=True is deprecated .* use stem='cifar'"):
+        old = MoCo(cifar_stem=True, **args)
+    new = MoCo(stem="cifar", **args)
+    assert [tuple(p.shape) for p in old.parameters()] == [tuple(p.shape) for p in new.parameters()]
+    assert old.backbone.conv1.stride == (1, 1) and isinstance(old.backbone.maxpool, torch.nn.Identity)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        loaded = MoCo.load_from_checkpoint(FIXTURE_CKPT)
+    assert loaded.hparams.stem == "cifar" and not loaded.hparams.cifar_stem

@@ -215,9 +215,9 @@ def test_cifar10_config_instantiates(tmp_path, monkeypatch):
     hp, dm = cli.model.hparams, cli.datamodule
     assert isinstance(dm, CIFAR10DataModule) and dm.batch_size == 512 and dm.views.scale == (0.08, 1.0)
     assert dm.views.blur_prob == (0.0, 0.0)
-    assert (hp.backbone, hp.cifar_stem, hp.queue_size, hp.momentum, hp.temperature) == (
+    assert (hp.backbone, hp.stem, hp.queue_size, hp.momentum, hp.temperature) == (
         "resnet18",
-        True,
+        "cifar",
         4096,
         0.99,
         0.1,

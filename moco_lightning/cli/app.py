@@ -15,7 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from .._lightning import CLIHooks
 from ..base import Pretraining
 from ..checkpoint_io import read_checkpoint
-from ..compat import upgrade
+from ..compat import stem_of_cifar_stem, upgrade
 from ..errors import BadInputError, ConfigError
 from ..moco import MoCo
 from ..precision import AutoPrecisionTrainer
@@ -97,6 +97,7 @@ class MoCoCLI(CLIHooks, LightningCLI):
         if sub is None or self._given_model is None:
             return
         saved, given = _init_args(_plain(self.config[sub]["model"])), _init_args(self._given_model)
+        stem_of_cifar_stem(given)  # the config's cifar_stem: true is stem: cifar, as the checkpoint's
         structural = set(getattr(_model_class(self._given_model, self.model_class), "STRUCTURAL", ()))
         differ = {k: (given[k], saved[k]) for k in saved if k in given and given[k] != saved[k]}
         wrong = {k: v for k, v in differ.items() if k in structural}
