@@ -125,19 +125,16 @@ def slurm_requeue(trainer: Any, signum: int) -> str:
     return path
 
 
-def save_last_now(trainer: Any) -> list[str]:
+def save_last_now(trainer: Any) -> None:
     """Every ``ModelCheckpoint(save_last=...)`` whose last save is older than this step saves its ``last.ckpt`` now
     (at the end of training): Lightning saves it at the end only if it never saved one, so a run checkpointed every
-    N steps or minutes ended with a ``last.ckpt`` of an earlier step. Returns the paths written."""
+    N steps or minutes ended with a ``last.ckpt`` of an earlier step."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    written = []
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.save_last and callback.dirpath:
             if callback._last_global_step_saved != trainer.global_step:
                 callback._save_last_checkpoint(trainer, callback._monitor_candidates(trainer))
-                written.append(callback.last_model_path)
-    return written
 
 
 def experiment_created(logger: Any) -> bool:

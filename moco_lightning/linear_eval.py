@@ -38,7 +38,7 @@ from .checkpoint_io import load_checkpoints_safely, read_checkpoint
 from .errors import ConfigError
 from .log_history import keep_history, read_csv_history
 
-__all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "main", "pretrained_backbone"]
+__all__ = ["LinearClassifier", "balanced_subset", "load_backbone_weights", "pretrained_backbone"]
 
 
 def check_label_subset(fraction: Optional[float], per_class: Optional[int]) -> None:
@@ -207,6 +207,7 @@ class LinearClassifier(SafeLoading, LightningModule):
         self.backbone.requires_grad_(self.finetune)
         self.backbone.train(self.finetune)
         self.labelled_indices: Optional[Tensor] = None
+        self._csv_history: list = []  # CSV loggers' rows of the run a checkpoint continues (prepare_data)
         self.head: Optional[nn.Linear] = None
         if num_classes is not None:
             self._build_head(num_classes)
@@ -262,10 +263,9 @@ class LinearClassifier(SafeLoading, LightningModule):
         hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
         load_checkpoints_safely(self.trainer)
         self._check_data(dm)
-        if stage == "fit":
-            self._check_classes(dm)
+        targets = self._check_classes(dm) if stage == "fit" else None
         if stage == "fit" and (hp.label_fraction is not None or hp.labels_per_class is not None):
-            self._select_labels()
+            self._select_labels(targets)
         if self.head is None:
             n = getattr(dm, "num_classes", None)
             if n is None:
@@ -302,11 +302,11 @@ class LinearClassifier(SafeLoading, LightningModule):
                 "evaluate a backbone pretrained on such images"
             )
 
-    def _check_classes(self, dm: Any) -> None:
+    def _check_classes(self, dm: Any) -> Optional[Tensor]:
         """Every class has training images (with or without a label subset): a classifier could never predict a
-        class it never saw. Checked where the datamodule can say (``train_targets()``)."""
+        class it never saw. Checked where the datamodule can say: returns its ``train_targets()``, or None."""
         if not hasattr(dm, "train_targets"):
-            return
+            return None
         targets = torch.as_tensor(dm.train_targets()).long()
         classes = getattr(dm, "num_classes", None) or (self.head.out_features if self.head is not None else None)
         present = set(torch.unique(targets[targets >= 0]).tolist())
@@ -317,16 +317,17 @@ class LinearClassifier(SafeLoading, LightningModule):
                 f"{missing[:10]}{', ...' if len(missing) > 10 else ''}): the classifier could never predict those; "
                 "train on a split with every class (a larger data.train_subset, or none)"
             )
+        return targets
 
-    def _select_labels(self) -> None:
-        """Restricts the datamodule's training split to the seeded, class-stratified label subset (once per fit)."""
+    def _select_labels(self, targets: Optional[Tensor]) -> None:
+        """Restricts the datamodule's training split to the seeded, class-stratified label subset of ``targets`` (its
+        ``train_targets()``; once per fit)."""
         hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
-        if not (hasattr(dm, "train_targets") and hasattr(dm, "select_train")):
+        if targets is None or not hasattr(dm, "select_train"):
             raise ConfigError(
                 f"LinearClassifier: label_fraction/labels_per_class need a datamodule with train_targets() and "
                 f"select_train(indices) (every in-memory datamodule of moco_lightning); {type(dm).__name__} has not"
             )
-        targets = torch.as_tensor(dm.train_targets()).long()
         self.labelled_indices = balanced_subset(targets, hp.label_fraction, hp.labels_per_class, hp.label_seed)
         dm.select_train(self.labelled_indices)
         log_dir = self.trainer.log_dir if self.trainer.logger is not None else None  # no logger: checkpoints only
@@ -348,7 +349,7 @@ class LinearClassifier(SafeLoading, LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         _lightning.reopen_cut_epoch(checkpoint)  # a run stopped by max_steps mid-epoch continues that epoch
         if _lightning.attached_trainer(self) is not None:
-            keep_history(self.trainer, getattr(self, "_csv_history", []), checkpoint.get("global_step", 0))
+            keep_history(self.trainer, self._csv_history, checkpoint.get("global_step", 0))
         self._csv_history = []
 
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --

@@ -185,9 +185,7 @@ def steps_at_end(trainer: Any, step: int) -> float:
     end = math.inf
     if trainer.max_epochs not in (None, -1) and math.isfinite(trainer.num_training_batches):
         batches = trainer.num_training_batches
-        epoch, done = trainer.current_epoch, batches_done_in_epoch(trainer)
-        if done >= batches:  # saved at the end of an epoch: Lightning already counts the next one as current
-            done = 0
+        epoch, done = trainer.current_epoch, batches_done_in_epoch(trainer)  # 0 at an epoch's end
         end = step + ((trainer.max_epochs - epoch) * batches - done) // trainer.accumulate_grad_batches
     return min(end, trainer.max_steps) if trainer.max_steps != -1 else end
 
