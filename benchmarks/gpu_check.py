@@ -121,7 +121,7 @@ class Clock(Callback):
     def on_train_end(self, trainer, pl_module):
         if self.folder is None:
             return
-        record = dict(ends=self.ends, queue=pl_module.queue.keys.cpu().tolist(), world=trainer.world_size)
+        record = dict(ends=self.ends, queue=pl_module.dictionary.keys.cpu().tolist(), world=trainer.world_size)
         with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(record, f)
 
@@ -248,11 +248,11 @@ def check_fit(device: str, size: dict, deadline: float) -> Result:
     t = time.perf_counter()
     # bf16-mixed here on the CPU too: what autocast does to the logits and the queue is the point of this check
     trainer(device, size["steps"], callbacks=[Look()], precision="bf16-mixed").fit(model, synthetic_datamodule(size))
-    keys = model.queue.keys
+    keys = model.dictionary.keys
     ok = seen["views"] == device and seen["loss"] == torch.float32 and keys.dtype == torch.float32
     line = (
         f"{size['steps']} steps in {time.perf_counter() - t:.1f} s; views on {seen['views']}, loss {seen['loss']}, "
-        f"queue {keys.dtype} on {keys.device.type}, ptr {int(model.queue.ptr)}"
+        f"queue {keys.dtype} on {keys.device.type}, ptr {int(model.dictionary.ptr)}"
     )
     meaning = "bf16-mixed fit: views on the device, loss and queue in fp32"
     return line, [
@@ -367,7 +367,7 @@ def check_checkpoint(device: str, size: dict, deadline: float) -> Result:
         rng_device = rng["torch"].device.type if rng else "none"
         resumed = moco(size)
         trainer(device, 4).fit(resumed, synthetic_datamodule(size), ckpt_path=path)
-        step = int(resumed.queue.enqueued_at.max())
+        step = int(resumed.dictionary.enqueued_at.max())
         line = (
             f"loaded with map_location={device!r} (RNG state tensors on {rng_device}); resumed from step 2 to step "
             f"{step}"

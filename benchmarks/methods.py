@@ -86,8 +86,6 @@ def measure(config: str, overrides: list[str], batch: int, device: str, threads:
     """Two training steps of the config's model on random images of its size; the second's peak (MiB)."""
     import torch
 
-    from moco_lightning.contrastive import Contrastive
-
     quiet()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -102,7 +100,7 @@ def measure(config: str, overrides: list[str], batch: int, device: str, threads:
     opt = torch.optim.SGD([p for m in model.trained_modules() for p in m.parameters()], lr=0.01, momentum=0.9)
 
     def step() -> None:
-        out = model.contrast(*views) if isinstance(model, Contrastive) else model.views_loss(views)
+        out = model.views_loss(views)
         out["loss"].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

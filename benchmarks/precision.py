@@ -37,7 +37,7 @@ def step_seconds(stem: str, precision: str, batch: int, steps: int):
 
     def step() -> None:
         with cast():
-            out = model.contrast(*views)
+            out = model.views_loss(views)
         out["loss"].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

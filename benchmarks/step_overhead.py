@@ -75,11 +75,11 @@ def module_step(model, opt, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)
-        out = model.contrast(x_q, x_k)
+        out = model.views_loss([x_q, x_k])
         out["loss"].backward()
         opt.step()
-        model.momentum_update(model.hparams.momentum)
-        model.queue.enqueue(out["stored"][0])
+        model.momentum_copy.update(model, model.hparams.momentum)
+        model.dictionary.enqueue(out["stored"][0])
 
     return run
 
@@ -185,7 +185,7 @@ def section3(args) -> None:
                     pk.data = pk.data * 0.99 + pq.data * 0.01
 
     cases = {
-        "ours (one foreach lerp)": lambda: model.momentum_update(0.99),
+        "ours (one foreach lerp)": lambda: model.momentum_copy.update(model, 0.99),
         "lightly update_momentum": lambda: [update_momentum(a, b, 0.99) for a, b in zip(q, k)],
         "official per-parameter loop": loop,
     }

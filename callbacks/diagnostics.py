@@ -53,10 +53,12 @@ class RepresentationDiagnostics(Callback):
     ``diag/queue_age`` and ``diag/queue_filled`` every ``every_n_steps`` optimizer steps.
 
     Reads ``q`` and ``k`` (L2-normalised embeddings of the two views) from the dict returned by
-    ``training_step`` (MoCo returns ``{"loss", "features", "q", "k"}``); without them those three
-    are skipped. The key-encoder change needs ``key_backbone`` and/or ``key_projection_head`` on
-    the module; the queue age needs a ``queue`` submodule with a buffer ``enqueued_at`` (the global
-    step at which each slot was written, -1 for never). The callback only reads the module.
+    ``training_step`` (MoCo and BYOL return ``{"loss", "features", "q", "k"}``); without them those
+    three are skipped. The key-encoder change needs the module's ``momentum_copies()``
+    (``{"backbone": "key_backbone", ...}``, as :class:`moco_lightning.Pretraining` has); the queue age
+    needs a ``dictionary`` submodule with a buffer ``enqueued_at`` (the global step at which each slot
+    was written, -1 for never: :class:`moco_lightning.queue.KeyQueue`). The callback only reads the
+    module.
 
     For the key-encoder change a flat copy of its parameters is kept only from the step before a
     logging step to the logging step (one copy, every ``every_n_steps`` steps).
@@ -77,12 +79,9 @@ class RepresentationDiagnostics(Callback):
 
     @staticmethod
     def key_encoder_parameters(pl_module: nn.Module) -> list[Tensor]:
-        params: list[Tensor] = []
-        for name in ("key_backbone", "key_projection_head"):
-            module = getattr(pl_module, name, None)
-            if isinstance(module, nn.Module):
-                params.extend(module.parameters())
-        return params
+        """The parameters of the module's momentum copies (none without ``momentum_copies()``)."""
+        copies = getattr(pl_module, "momentum_copies", dict)()
+        return [p for name in copies.values() for p in pl_module.get_submodule(name).parameters()]
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -99,7 +98,7 @@ class RepresentationDiagnostics(Callback):
                     change = (now - self._snapshot).norm() / self._snapshot.norm().clamp_min(1e-12)
                     metrics["diag/key_rel_change"] = float(change) / (step - self._snapshot_step)
                     self._snapshot = None
-                queue = getattr(pl_module, "queue", None)
+                queue = getattr(pl_module, "dictionary", None)
                 enqueued_at = getattr(queue, "enqueued_at", None) if isinstance(queue, nn.Module) else None
                 if isinstance(enqueued_at, Tensor):
                     age, filled = mean_queue_age(enqueued_at, step)

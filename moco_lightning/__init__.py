@@ -3,8 +3,9 @@ beside it for comparison."""
 
 from .base import Pretraining
 from .byol import BYOL
-from .dictionaries import EndToEnd, MemoryBankMoCo
+from .end_to_end import EndToEnd
 from .export import load_backbone
+from .memory_bank_moco import MemoryBankMoCo
 from .moco import MoCo
 from .precision import auto_precision
 from .simclr import SimCLR

@@ -3,9 +3,15 @@
 :class:`Pretraining` owns the backbone (``forward(x)`` returns its features: the evaluation callbacks, linear
 evaluation and export need nothing else), hands the optimizer and the schedules to :mod:`moco_lightning.plan`, the
 non-finite-loss check to :mod:`moco_lightning.nan_guard`, a preemption to :mod:`moco_lightning.preemption`, and the
-checkpoint's metadata, checks and resume state to :mod:`moco_lightning.run_state`. A method subclasses it, builds its
-heads in ``__init__``, lists its trained modules in :meth:`trained_modules` and writes :meth:`views_loss` (or its own
-``training_step``).
+checkpoint's metadata, checks and resume state to :mod:`moco_lightning.run_state`.
+
+One step protocol for every method: :meth:`Pretraining.training_step` splits the batch into views and calls the
+method's :meth:`~Pretraining.views_loss`, which returns the loss, the features for the callbacks, what it logs
+beside the loss and what its dictionary keeps of the step; after the optimizer step (``on_train_batch_end``) the
+optional momentum copy (:attr:`Pretraining.momentum_copy`: MoCo's key encoder, BYOL's target) moves and the optional
+dictionary (:attr:`Pretraining.dictionary`: MoCo's queue, a memory bank) stores the keys of every rank. A method
+subclasses it, builds its heads in ``__init__``, lists its trained modules in :meth:`trained_modules` and writes
+:meth:`views_loss`.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from .backbones import build_backbone, is_backbone_spec, warn_cifar_stem
 from .batches import is_views_batch, split_views
 from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
-from .distributed import equal_batches, world_size
+from .distributed import concat_all_gather, equal_batches, world_size
 from .errors import check_arguments
 from .log_history import read_csv_history
+from .momentum import MomentumCopy
 from .nan_guard import NanGuard
+from .negatives import Negatives
 from .preemption import Preemption
 
 
@@ -92,6 +100,10 @@ class Pretraining(SafeLoading, LightningModule):
         self.nan_guard = NanGuard(on_nan, type(self).__name__)
         self.preemption = Preemption()  # SIGTERM / SIGINT / SLURM's requeue: a checkpoint at a step boundary
         self.step_plan: Optional[plan.StepPlan] = None  # made by configure_optimizers
+        # set by a method that has them: moved / filled after each optimizer step (finish_step)
+        self.momentum_copy: Optional[MomentumCopy] = None  # MoCo's key encoder, BYOL's target network
+        self.dictionary: Optional[Negatives] = None  # where stored negatives live: MoCo's queue, a memory bank
+        self._stored: tuple = ()  # what the dictionary keeps of this step (all ranks' rows), after the optimizer step
         self._resume: dict = {}  # what the checkpoint being restored holds for the run: RNG states, step plan
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
         self._stepped = 0  # global_step when optimizer_stepped() last said so
@@ -123,12 +135,14 @@ class Pretraining(SafeLoading, LightningModule):
 
     def momentum_copies(self) -> dict[str, str]:
         """``{source child: its momentum copy}`` (MoCo's key encoder, BYOL's target), recorded in checkpoints."""
-        return {}
+        return dict(self.momentum_copy.pairs) if self.momentum_copy is not None else {}
 
     def dictionary_buffers(self) -> list[str]:
         """State-dict names of the buffers every rank updates alike (a queue, a memory bank): kept out of DDP's
         per-forward broadcast from rank 0, broadcast once at fit start."""
-        return []
+        return (
+            [f"dictionary.{name}" for name, _ in self.dictionary.named_buffers()] if self.dictionary is not None else []
+        )
 
     # --- fit start / end --------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -140,6 +154,8 @@ class Pretraining(SafeLoading, LightningModule):
         if stage != "fit":
             return
         self.nan_guard.check_trainer(self.trainer)
+        if self.momentum_copy is not None:
+            self.momentum_copy.refuse_half_precision(self)
         if self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
         if self.hparams.compile and not getattr(self, "_compiled", False):
@@ -174,32 +190,49 @@ class Pretraining(SafeLoading, LightningModule):
         _lightning.save_last_now(self.trainer)  # the run's last step in last.ckpt, whatever the saving interval
 
     # --- a step ---------------------------------------------------------------------------------
+    #: False: the pretext loss means nothing on held-out images (MemoryBankMoCo: they have no row in the bank);
+    #: validation then runs the callbacks only
+    validation_loss = True
+
     def batch_views(self, batch: Any) -> tuple[list[Tensor], Optional[Tensor]]:
         """``(views, index)`` of a training batch (:func:`moco_lightning.batches.split_views`)."""
         named = isinstance(self.hparams.get("backbone"), str)
         return split_views(batch, type(self).__name__, self.hparams.get("in_channels") if named else None)
 
-    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
-        """The method's ``loss`` of one batch of views ``[view_1, view_2, *local_views]`` and the first view's
-        backbone ``features`` (for the callbacks)."""
-        raise NotImplementedError(f"{type(self).__name__} writes its own training_step")
+    def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
+        """The method's step on one batch of views ``[view_1, view_2, *local_views]`` (``index``: the images' dataset
+        indices, when the batch has them), without touching the momentum copy or the dictionary:
 
-    def step_scalars(self) -> dict[str, float]:
-        """What a step logs beside the loss and the lr (the momentum of a momentum copy)."""
-        return {}
+        - ``loss``; ``features``: the first view's backbone features (for the callbacks);
+        - optionally ``metrics``: what it logs beside the loss (``{"acc1": ...}``, logged as ``train/acc1``);
+          ``q``, ``k``: the embeddings the diagnostics read; ``stored``: the rows its :attr:`dictionary` keeps of
+          the step (gathered from every rank, stored after the optimizer step)."""
+        raise NotImplementedError(f"{type(self).__name__}.views_loss")
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        views = self.batch_views(batch)[0]
-        out = self.views_loss(views)
+        views, index = self.batch_views(batch)
+        out = self.views_loss(views, index)
         if not self.loss_is_usable(out["loss"], batch_idx, views):
             return None
-        self.log("train/loss", out["loss"], on_step=True, on_epoch=False)
-        self.log_lr(**self.step_scalars())
-        return out
+        # What the dictionary keeps is gathered from all ranks here, where every rank runs the same code: the
+        # momentum update and the store after the optimizer step are then local, and so is a checkpoint save.
+        self._stored = tuple(concat_all_gather(rows, self._equal_sizes) for rows in out.pop("stored", ()))
+        self.log_step("train", out, on_step=True, on_epoch=False)
+        self.log_lr(**(self.momentum_copy.scalars(self) if self.momentum_copy is not None else {}))
+        return {key: out[key] for key in ("loss", "features", "q", "k") if key in out}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        if is_views_batch(batch):  # not an evaluation batch (image, target)
-            self.log("val/loss", self.views_loss(self.batch_views(batch)[0][:2])["loss"], prog_bar=True, sync_dist=True)
+        """The pretext loss on held-out views: never stores keys, never moves a momentum copy."""
+        if self.validation_loss and is_views_batch(batch):  # not an evaluation batch (image, target)
+            out = self.views_loss(self.batch_views(batch)[0][:2])
+            self.log_step("val", out, on_step=False, on_epoch=True, sync_dist=True)
+
+    def log_step(self, stage: str, out: dict, **kwargs: Any) -> None:
+        """``<stage>/loss`` and the method's ``metrics``; in the progress bar for validation only (a training-step
+        tensor there is read on the host every step)."""
+        self.log(f"{stage}/loss", out["loss"], prog_bar=stage != "train", **kwargs)
+        if out.get("metrics"):
+            self.log_dict({f"{stage}/{name}": value for name, value in out["metrics"].items()}, **kwargs)
 
     def loss_is_usable(self, loss: Tensor, batch_idx: int, views: Sequence[Tensor] = ()) -> bool:
         """False: skip this batch (``on_nan="skip"``); a non-finite loss raises one step later (the NaN guard), saying
@@ -224,7 +257,13 @@ class Pretraining(SafeLoading, LightningModule):
         self.preemption.after_step(self, self.nan_guard.agreed)  # a stop asked for: save this step, exit
 
     def finish_step(self) -> None:
-        """What follows a training step (a momentum update after a real optimizer step, an enqueue); nothing here."""
+        """What follows a training step: the momentum update (only after a real optimizer step, not a gradient
+        accumulation micro-batch), then the dictionary keeps the step's rows of every rank. Idempotent."""
+        if self.momentum_copy is not None:
+            self.momentum_copy.after_step(self)
+        if self._stored:
+            self.dictionary.store(*self._stored, step=self.global_step)
+            self._stored = ()
 
     # --- logging ----------------------------------------------------------------------------
     def log_lr(self, **extra: float) -> None:

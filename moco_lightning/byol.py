@@ -9,7 +9,7 @@ hidden 4096, output 256). The momentum update follows the optimizer step in ``on
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from lightly.models.modules.heads import BYOLPredictionHead, BYOLProjectionHead
@@ -53,21 +53,16 @@ class BYOL(Pretraining):
         self.projection_head = BYOLProjectionHead(self.feature_dim, hidden_dim, dim)
         self.prediction_head = BYOLPredictionHead(dim, hidden_dim, dim)
         # the target: a copy of the online backbone and projector, moved only by the momentum update
-        self.target = MomentumCopy(self, "target_", ("backbone", "projection_head"), momentum, momentum_schedule)
-
-    def momentum_copies(self) -> dict[str, str]:
-        return dict(self.target.pairs)
+        self.momentum_copy = MomentumCopy(
+            self, "target_", ("backbone", "projection_head"), momentum, momentum_schedule, "the target network"
+        )
 
     def trained_modules(self) -> list[nn.Module]:
         return [self.backbone, self.projection_head, self.prediction_head]
 
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if stage == "fit":
-            self.target.refuse_half_precision(self, "the target network")
-
-    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
-        """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network."""
+    def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
+        """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network. ``q``, ``k``:
+        the first view's normalised prediction and the second view's target projection (for the diagnostics)."""
         x0, x1 = two_views(views, type(self).__name__)
         x = self._layout(torch.cat([x0, x1]))
         h = self.backbone(x)
@@ -76,15 +71,5 @@ class BYOL(Pretraining):
             z0, z1 = self.target_projection_head(self.target_backbone(x)).float().chunk(2)
         with torch.autocast(h.device.type, enabled=False):  # the cosines and the loss in fp32 under autocast
             loss = normalized_mse(p0, z1) + normalized_mse(p1, z0)
-        return dict(loss=loss, features=h[: len(x0)].detach())
-
-    def step_scalars(self) -> dict[str, float]:
-        return self.target.scalars(self)
-
-    def finish_step(self) -> None:
-        """θ_t ← τ·θ_t + (1 − τ)·θ_online, only after a real optimizer step (not an accumulation micro-batch)."""
-        self.target.after_step(self)
-
-    def momentum_at(self, step: int) -> float:
-        """τ(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
-        return self.target.at(self, step)
+        q, k = (nn.functional.normalize(z.detach(), dim=1) for z in (p0, z1))
+        return dict(loss=loss, features=h[: len(x0)].detach(), q=q, k=k)

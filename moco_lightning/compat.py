@@ -1,7 +1,8 @@
 """What earlier versions of moco-lightning wrote, read in one place; each path is removed in the release named.
 
-- checkpoint formats 1 and 2 (moco-lightning 0.1 and 0.2): :func:`upgrade` brings their hyper-parameters and state
-  to today's classes; :func:`rng_states_per_rank` reads format 1's RNG states (rank 0's alone);
+- checkpoint formats 1 to 3 (moco-lightning 0.1 and 0.2): :func:`upgrade` brings their hyper-parameters and state
+  to today's classes (format 3 named the dictionary ``queue`` / ``memory_bank`` in the state dict, now
+  ``dictionary``); :func:`rng_states_per_rank` reads format 1's RNG states (rank 0's alone);
   :func:`format2_momentum_copy` finds the momentum copy format 2 did not record;
 - ``cifar_stem: true`` in the hyper-parameters (deprecated in 0.3): :func:`stem_of_cifar_stem`;
 - the datamodules' augmentation state of 0.1.0 (rank 0's generator state alone): :func:`augment_states_per_rank`.
@@ -15,7 +16,7 @@ import warnings
 from typing import Any, Mapping, Optional
 
 REMOVED_IN = "0.4.0"  # the release that stops reading the formats of 0.1 and 0.2
-CURRENT_FORMAT = 3  # moco_lightning.run_state.FORMAT_VERSION: formats below it are upgraded here
+CURRENT_FORMAT = 4  # moco_lightning.run_state.FORMAT_VERSION: formats below it are upgraded here
 
 
 def constructor_arguments(cls: type) -> set[str]:
@@ -41,7 +42,13 @@ def upgrade(checkpoint: dict, cls: type) -> None:
     named in a warning."""
     stem_of_cifar_stem(checkpoint.get("hyper_parameters") or {})
     meta = checkpoint.get("moco_lightning") or {}
-    if meta.get("format_version", CURRENT_FORMAT) >= CURRENT_FORMAT:
+    version = meta.get("format_version", CURRENT_FORMAT)
+    if version >= CURRENT_FORMAT:
+        return
+    state = checkpoint.get("state_dict") or {}
+    for name in [k for k in state if k.startswith(("queue.", "memory_bank."))]:  # format 3 and older
+        state["dictionary." + name.split(".", 1)[1]] = state.pop(name)
+    if version >= 3:
         return
     hparams = checkpoint.get("hyper_parameters") or {}
     accepted = constructor_arguments(cls)
@@ -54,9 +61,8 @@ def upgrade(checkpoint: dict, cls: type) -> None:
             "checkpoint): ignored",
             stacklevel=3,
         )
-    state = checkpoint.get("state_dict") or {}
-    if "queue.keys" in state and state["queue.keys"].numel() == 0:  # the empty queue of a queue-free dictionary
-        for name in ("queue.keys", "queue.ptr", "queue.enqueued_at"):
+    if "dictionary.keys" in state and state["dictionary.keys"].numel() == 0:  # a queue-free dictionary's empty queue
+        for name in ("dictionary.keys", "dictionary.ptr", "dictionary.enqueued_at"):
             state.pop(name, None)
 
 

@@ -2,15 +2,15 @@
 positive keys, a dictionary of negatives, and InfoNCE.
 
     q = f_q(x_q)                                       query: the backbone, its head (and v3's predictor)
-    k₊ = the positive key of each image               positive_keys(): key encoder, query encoder or memory bank
-    logits = [q·k₊, q·negatives] / T;  CE(logits, 0)  contrast() (loss.info_nce); negatives: the dictionary
-    after the optimizer step: the dictionary keeps   finish_step(): Negatives.store (keys of all ranks)
+    k₊ = the positive key of each image               loss_terms(): key encoder, query encoder or memory bank
+    logits = [q·k₊, q·negatives] / T;  CE(logits, 0)  views_loss() (loss.info_nce); negatives: the dictionary
+    after the optimizer step: the dictionary keeps   Pretraining.finish_step: Negatives.store (keys of all ranks)
 
-A method class says where its positives come from (:meth:`Contrastive.positive_keys`), which dictionary holds its
-negatives (:attr:`Contrastive.dictionary`, a :class:`~moco_lightning.negatives.Negatives`), and builds its heads
-(:meth:`Contrastive.build_heads`): :class:`~moco_lightning.MoCo`, :class:`~moco_lightning.MoCoV3`,
-:class:`~moco_lightning.EndToEnd` and :class:`~moco_lightning.MemoryBankMoCo`. :class:`MomentumContrast` adds the
-momentum key encoder and shuffle BN of MoCo v1/v2/v3 (§3.2, §3.3).
+A method class sets its dictionary of negatives in ``__init__`` (:attr:`Pretraining.dictionary`, a
+:class:`~moco_lightning.negatives.Negatives`) and writes one thing, its loss terms (:meth:`Contrastive.loss_terms`:
+which queries meet which positive keys and negatives): :class:`~moco_lightning.MoCo`,
+:class:`~moco_lightning.MoCoV3`, :class:`~moco_lightning.EndToEnd` and :class:`~moco_lightning.MemoryBankMoCo`.
+:class:`MomentumContrast` adds the momentum key encoder and shuffle BN of MoCo v1/v2/v3 (§3.2, §3.3).
 
 Multi-crop (Caron et al. 2020, SwAV §3.2): batches ``([x_q, x_k, *local_views], ...)``; the small local views go
 through the query encoder only, each contrasted with the keys of its image's global views; only global keys are
@@ -20,20 +20,31 @@ and, when symmetric, + L(q2, k1), as the official code.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .base import Pretraining
-from .batches import is_views_batch
-from .distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
+from .distributed import shuffle_across_ranks, unshuffle_across_ranks
 from .errors import check_arguments
-from .loss import gather_keys, info_nce
+from .heads import projection_head
+from .loss import gather_keys, info_nce, pretext_metrics
 from .momentum import MomentumCopy
 from .negatives import Negatives
 from .plan import global_batch_size
 from .split_bn import check_bn_splits, convert_split_bn, revert_split_bn, shuffle_mode
+
+
+class Terms(NamedTuple):
+    """The loss terms of the two global views, in the order the encoders ran (which decides BatchNorm's running
+    statistics)."""
+
+    features: Tensor  # backbone features of the first view (for the callbacks)
+    pairs: list  # (q, k₊, negatives): negatives (K, C) from the dictionary, or None: the global batch's other keys
+    queries: list  # the global queries, first view's first
+    keys: list  # the positive keys by view ([k₁, k₂]): what a queue stores
+    scale: float = 1.0  # the loss's factor (v3: 2T)
 
 
 class Contrastive(Pretraining):
@@ -49,7 +60,7 @@ class Contrastive(Pretraining):
     """
 
     STRUCTURAL = Pretraining.STRUCTURAL + ("dim", "hidden_dim")
-    symmetric = False  # both global views serve as queries (a subclass's setting or property)
+    dictionary: Negatives  # set by each method in __init__
 
     def __init__(
         self,
@@ -63,24 +74,15 @@ class Contrastive(Pretraining):
         super().__init__(decay_norm_bias=decay_norm_bias, **kwargs)
         # f_q: the query encoder (self.backbone) and its heads, trained by backprop
         self.projection_head, self.prediction_head = self.build_heads()
-        self._stored: tuple = ()  # what the dictionary keeps of this step (all ranks' rows), after the optimizer step
 
-    # --- what a method says ------------------------------------------------------------------
     def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
-        """(projection head, predictor or None) of the query encoder."""
-        raise NotImplementedError
+        """(projection head, predictor or None) of the query encoder: v1's linear or v2's MLP head (the method's
+        ``head`` argument) and no predictor; MoCo v3 builds its own."""
+        return projection_head(self.hparams.head, self.feature_dim, self.hparams.hidden_dim, self.hparams.dim), None
 
-    @property
-    def dictionary(self) -> Negatives:
-        """Where the negatives come from (a queue, the batch, a memory bank)."""
-        raise NotImplementedError
-
-    def positive_keys(self, x: Tensor, index: Optional[Tensor]) -> Tensor:
-        """k₊: the L2-normalised positive keys (fp32) of the images of ``x`` (``index``: their dataset indices)."""
-        raise NotImplementedError
-
-    def loss_scale(self) -> float:
-        return 1.0
+    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
+        """What a method writes: the loss terms of the two global views (``index``: the images' dataset indices)."""
+        raise NotImplementedError(f"{type(self).__name__}.loss_terms")
 
     # --- the query encoder and the loss --------------------------------------------------------
     def trained_modules(self) -> list[nn.Module]:
@@ -94,30 +96,27 @@ class Contrastive(Pretraining):
             z = self.prediction_head(z)
         return h, nn.functional.normalize(z.float(), dim=1)
 
-    def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
-        """The loss terms of the two global views, in the official order of encoder calls (which decides the
-        BatchNorm running statistics): ``(features of x_q, [(q, k₊, negatives), ...], queries, keys by view)``.
-
-        v1/v2 (the official CIFAR demo's symmetric loss): q₁, k₂, then q₂, k₁; the keys are stored as [k₁, k₂]."""
+    def query_key_terms(self, x_q: Tensor, x_k: Tensor, key_of: Callable[[Tensor], Tensor]) -> Terms:
+        """q₁ against the key of x_k and the dictionary's negatives; with ``symmetric``, q₂ against the key of x_q
+        too (the official CIFAR demo's order: q₁, k₂, q₂, k₁; the keys stored as [k₁, k₂])."""
         h, q = self.query(x_q)
-        k = self.positive_keys(x_k, index)
-        if not self.symmetric:
-            return h, [(q, k, self.dictionary.negatives())], [q], [k]
+        k = key_of(x_k)
+        if not self.hparams.symmetric:
+            return Terms(h, [(q, k, self.dictionary.negatives())], [q], [k])
         q2 = self.query(x_k)[1]
-        k1 = self.positive_keys(x_q, index)
-        return h, [(q, k, self.dictionary.negatives()), (q2, k1, self.dictionary.negatives())], [q, q2], [k1, k]
+        k1 = key_of(x_q)
+        return Terms(h, [(q, k, self.dictionary.negatives()), (q2, k1, self.dictionary.negatives())], [q, q2], [k1, k])
 
-    def contrast(
-        self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor] = None, local_views: Sequence[Tensor] = ()
-    ) -> dict[str, Tensor]:
+    def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
         equal = self._equal_sizes
-        x_q, x_k = self._layout(x_q), self._layout(x_k)  # once per view (a no-op afterwards), not per encoder call
-        h, terms, queries, keys = self.global_terms(x_q, x_k, index)
-        q, k = terms[0][:2]
+        x_q, x_k = self._layout(views[0]), self._layout(views[1])  # once per view, not per encoder call
+        local_views = views[2:]
+        t = self.loss_terms(x_q, x_k, index)
+        terms = list(t.pairs)
         if local_views:  # multi-crop: the query encoder alone, every local view against every global key
             local_q = self.query(self._layout(torch.cat(list(local_views))))[1].chunk(len(local_views))
-            terms += [(lq, gk, neg) for lq in local_q for _, gk, neg in terms[: len(queries)]]
+            terms += [(lq, gk, neg) for lq in local_q for _, gk, neg in terms[: len(t.queries)]]
         # in-batch negatives: each global key's all-gather once, however many terms contrast with it
         gathered: dict[int, tuple[Tensor, int]] = {}
         for _, b, neg in terms:
@@ -125,62 +124,22 @@ class Contrastive(Pretraining):
                 gathered[id(b)] = gather_keys(b, equal)
         T = self.hparams.temperature
         losses = [info_nce(a, b, neg, T, 1.0, equal, gathered.get(id(b))) for a, b, neg in terms]
-        loss = len(queries) * torch.stack([term[0] for term in losses]).mean() * self.loss_scale()
+        loss = len(t.queries) * torch.stack([term[0] for term in losses]).mean() * t.scale
         _, sims, labels = losses[0]
-        stored = self.dictionary.to_store(queries, keys, index)
+        q, k = terms[0][:2]
         return dict(
-            loss=loss, features=h.detach(), q=q.detach(), k=k.detach(), stored=stored, sims=sims.detach(), labels=labels
+            loss=loss,
+            features=t.features.detach(),
+            q=q.detach(),
+            k=k.detach(),
+            stored=self.dictionary.to_store(t.queries, t.keys, index),
+            sims=sims.detach(),
+            labels=labels,
+            metrics=pretext_metrics(sims.detach(), labels),
         )
-
-    # --- training ---------------------------------------------------------------------------
-    def dictionary_buffers(self) -> list[str]:
-        ours = {id(b) for b in self.dictionary.buffers()}
-        return [name for name, b in self.named_buffers() if id(b) in ours]
-
-    def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        (x_q, x_k, *local_views), index = self.batch_views(batch)
-        out = self.contrast(x_q, x_k, index, local_views)
-        if not self.loss_is_usable(out["loss"], batch_idx, (x_q, x_k, *local_views)):
-            return None
-        # What the dictionary keeps is gathered from all ranks here, where every rank runs the same code: the
-        # momentum update and the store after the optimizer step are then local, and so is a checkpoint save.
-        self._stored = tuple(concat_all_gather(rows, self._equal_sizes) for rows in out.pop("stored"))
-        self.log_contrastive("train", out["loss"], out["sims"], out["labels"], on_step=True, on_epoch=False)
-        self.log_lr(**self.step_scalars())
-        return {key: out[key] for key in ("loss", "features", "q", "k")}
-
-    def finish_step(self) -> None:
-        """The dictionary keeps this step's rows of all ranks (after the optimizer step)."""
-        if self._stored:
-            self.dictionary.store(*self._stored, step=self.global_step)
-            self._stored = ()
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """The pretext task on held-out views: never stores keys, never moves the key encoder."""
-        if is_views_batch(batch):  # not an evaluation batch (image, target)
-            out = self.contrast(*self.batch_views(batch)[0][:2])
-            self.log_contrastive(
-                "val", out["loss"], out["sims"], out["labels"], on_step=False, on_epoch=True, sync_dist=True
-            )
 
     def nan_hints(self) -> str:
         return f"{super().nan_hints()}, or a temperature too low (temperature={self.hparams.temperature})"
-
-    def log_contrastive(self, stage: str, loss: Tensor, sims: Tensor, labels: Tensor, **kwargs: Any) -> None:
-        """The loss and the pretext task's accuracy (is the positive the top logit), mean positive/negative cosine."""
-        pos = sims.gather(1, labels[:, None])
-        top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
-        # in the progress bar for validation only: a training-step tensor there is read on the host every step
-        self.log(f"{stage}/loss", loss, prog_bar=stage != "train", **kwargs)
-        self.log_dict(
-            {
-                f"{stage}/acc1": (top5[:, 0] == labels).float().mean(),
-                f"{stage}/acc5": (top5 == labels[:, None]).any(1).float().mean(),
-                f"{stage}/logit_pos": pos.mean(),
-                f"{stage}/logit_neg": (sims.sum() - pos.sum()) / max(1, sims.numel() - pos.numel()),
-            },
-            **kwargs,
-        )
 
 
 class MomentumContrast(Contrastive):
@@ -210,14 +169,10 @@ class MomentumContrast(Contrastive):
         check_arguments(type(self).__name__, MomentumContrast.__init__, locals())
         super().__init__(**kwargs)
         # f_k: the key encoder, a copy of f_q moved only by the momentum update
-        self.key_encoder = MomentumCopy(self, "key_", ("backbone", "projection_head"), momentum, momentum_schedule)
+        self.momentum_copy = MomentumCopy(
+            self, "key_", ("backbone", "projection_head"), momentum, momentum_schedule, "the key encoder and the queue"
+        )
         self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
-
-    def momentum_copies(self) -> dict[str, str]:
-        return dict(self.key_encoder.pairs)
-
-    def positive_keys(self, x: Tensor, index: Optional[Tensor]) -> Tensor:
-        return self.key(x)
 
     @torch.no_grad()
     def key(self, x: Tensor) -> Tensor:
@@ -244,7 +199,6 @@ class MomentumContrast(Contrastive):
         super().setup(stage)
         if stage != "fit":
             return
-        self.key_encoder.refuse_half_precision(self, "the key encoder and the queue")
         self._shuffle = shuffle_mode(self.hparams.shuffle_bn, self.backbone, self.trainer)
         for encoder in (self.backbone, self.key_backbone) if self._shuffle == "split" else ():
             convert_split_bn(encoder, self.hparams.bn_splits)
@@ -260,19 +214,3 @@ class MomentumContrast(Contrastive):
             per_device = global_batch_size(self) // (self.trainer.world_size * self.trainer.accumulate_grad_batches)
             check_bn_splits(self.hparams.bn_splits, per_device)
         return config
-
-    def step_scalars(self) -> dict[str, float]:
-        return self.key_encoder.scalars(self)
-
-    def finish_step(self) -> None:
-        """Momentum update (only if an optimizer step happened), then the dictionary keeps the step's keys."""
-        self.key_encoder.after_step(self)
-        super().finish_step()
-
-    def momentum_at(self, step: int) -> float:
-        """m(j) of the update that follows the j-th optimizer step (:func:`moco_lightning.optim.momentum_at`)."""
-        return self.key_encoder.at(self, step)
-
-    def momentum_update(self, m: float) -> None:
-        """θ_k ← m·θ_k + (1 − m)·θ_q over backbone and head."""
-        self.key_encoder.update(self, m)

@@ -116,3 +116,16 @@ def _gather_with_grad(x: Tensor, equal_sizes: bool) -> Tuple[Tensor, int]:
 
         return torch.cat(all_gather(x.contiguous())), rank() * x.shape[0]
     return gather_keeping_local_grad(x, equal_sizes)
+
+
+def pretext_metrics(sims: Tensor, labels: Tensor) -> dict[str, Tensor]:
+    """The pretext task's accuracy (is the positive the top logit, among the top 5) and the mean positive and
+    negative cosine, from InfoNCE's similarities ``sims`` (N, 1 + K) and the positives' columns ``labels``."""
+    pos = sims.gather(1, labels[:, None])
+    top5 = sims.topk(min(5, sims.shape[1]), dim=1).indices
+    return {
+        "acc1": (top5[:, 0] == labels).float().mean(),
+        "acc5": (top5 == labels[:, None]).any(1).float().mean(),
+        "logit_pos": pos.mean(),
+        "logit_neg": (sims.sum() - pos.sum()) / max(1, sims.numel() - pos.numel()),
+    }

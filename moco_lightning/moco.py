@@ -2,12 +2,13 @@
 
 - v1: He, Fan, Wu, Xie, Girshick, CVPR 2020, https://arxiv.org/abs/1911.05722
 - v2: Chen, Fan, Girshick, He, 2020, https://arxiv.org/abs/2003.04297 (MLP head, blur, T 0.2, cosine lr)
-- v3: :class:`moco_lightning.v3.MoCoV3`; the paper's other dictionaries: :mod:`moco_lightning.dictionaries`.
+- v3: :class:`moco_lightning.v3.MoCoV3`; the paper's other dictionaries: :mod:`moco_lightning.end_to_end`,
+  :mod:`moco_lightning.memory_bank_moco`.
 
 Algorithm 1 of the paper, and where each line lives:
 
-    q = f_q(x_q);  k = f_k(x_k).detach()          Contrastive.query, MomentumContrast.key
-    logits = [q·k₊, q·queue] / T;  CE(logits, 0)  Contrastive.contrast (loss.info_nce)
+    q = f_q(x_q);  k = f_k(x_k).detach()          Contrastive.query, MomentumContrast.key (MoCo.loss_terms)
+    logits = [q·k₊, q·queue] / T;  CE(logits, 0)  Contrastive.views_loss (loss.info_nce)
     loss.backward();  SGD update of f_q             Lightning
     θ_k ← m·θ_k + (1 − m)·θ_q                       on_train_batch_end, only after a real optimizer step
     enqueue(k);  dequeue the oldest                 on_train_batch_end (keys of all ranks): KeyQueue
@@ -17,12 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from torch import nn
+from torch import Tensor
 
-from .contrastive import MomentumContrast
+from .contrastive import MomentumContrast, Terms
 from .errors import check_arguments
-from .heads import projection_head
-from .negatives import InBatch, Negatives
+from .negatives import InBatch
 from .queue import KeyQueue
 
 
@@ -50,12 +50,8 @@ class MoCo(MomentumContrast):
     ) -> None:
         check_arguments(type(self).__name__, MoCo.__init__, locals())
         super().__init__(**kwargs)
-        self.symmetric = symmetric
-        self.queue = KeyQueue(queue_size, self.hparams.dim) if queue_size > 0 else InBatch()
+        self.dictionary = KeyQueue(queue_size, self.hparams.dim) if queue_size > 0 else InBatch()
 
-    def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
-        return projection_head(self.hparams.head, self.feature_dim, self.hparams.hidden_dim, self.hparams.dim), None
-
-    @property
-    def dictionary(self) -> Negatives:
-        return self.queue
+    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
+        """q = f_q(x_q) against k₊ = f_k(x_k) and the queue (and the swapped pair when symmetric)."""
+        return self.query_key_terms(x_q, x_k, self.key)

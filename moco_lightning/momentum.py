@@ -27,11 +27,13 @@ class MomentumCopy:
 
     ``owner`` is a :class:`~moco_lightning.base.Pretraining` module (its ``optimizer_stepped()`` gates the update and
     its step plan drives the schedule); the copies are its own child modules, so they are saved, moved and
-    compiled with it."""
+    compiled with it. ``what``: the copy's name in errors ("the key encoder")."""
 
-    def __init__(self, owner: Any, prefix: str, names: Sequence[str], momentum: float, schedule: str) -> None:
+    def __init__(
+        self, owner: Any, prefix: str, names: Sequence[str], momentum: float, schedule: str, what: str
+    ) -> None:
         self.pairs = {name: prefix + name for name in names}  # source child -> its copy
-        self.momentum, self.schedule = momentum, schedule
+        self.momentum, self.schedule, self.what = momentum, schedule, what
         for name, copy_name in self.pairs.items():
             owner.add_module(copy_name, copy.deepcopy(getattr(owner, name)).requires_grad_(False))
 
@@ -57,10 +59,10 @@ class MomentumCopy:
         """What a training step logs: the m of the update that will follow it."""
         return {"train/momentum": self.at(owner, owner.global_step + 1)}
 
-    def refuse_half_precision(self, owner: Any, what: str) -> None:
+    def refuse_half_precision(self, owner: Any) -> None:
         if str(owner.trainer.precision) in ("bf16-true", "16-true"):
             raise ConfigError(
-                f"{type(owner).__name__}: precision={owner.trainer.precision!r} stores {what} in half precision, "
+                f"{type(owner).__name__}: precision={owner.trainer.precision!r} stores {self.what} in half precision, "
                 "where the momentum update's step (1 - m) * (θ_q - θ_k), 0.001 of the difference at m = 0.999, is "
                 "below the format's resolution and the momentum copy stops moving: use precision='bf16-mixed' (the "
                 "weights, the queue and the logits stay fp32)"

@@ -21,7 +21,7 @@ from .distributed import gather_objects, rank, world_size
 from .errors import ConfigError
 from .version import __version__
 
-FORMAT_VERSION = 3  # bumped when the layout of the saved state changes
+FORMAT_VERSION = 4  # bumped when the layout of the saved state changes
 
 
 class Resumable(Protocol):

@@ -11,7 +11,7 @@ in memory, which is why SimCLR needs large batches (4096 in the paper) and MoCo'
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from lightly.models.modules.heads import SimCLRProjectionHead
@@ -59,7 +59,7 @@ class SimCLR(Pretraining):
     def trained_modules(self) -> list[nn.Module]:
         return [self.backbone, self.projection_head]
 
-    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
+    def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """NT-Xent over both views (fp32 logits); the features of the first view for the callbacks."""
         x0, x1 = two_views(views, type(self).__name__)
         h = self.backbone(self._layout(torch.cat([x0, x1])))

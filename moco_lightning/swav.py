@@ -13,7 +13,7 @@ embeddings (the paper adds it from epoch ~15 for batches below 256).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 from lightly.loss import SwaVLoss
@@ -81,7 +81,7 @@ class SwAV(Pretraining):
             scores = self.prototypes(z)
         return list(scores.chunk(len(views))), h[: len(views[0])].detach()
 
-    def views_loss(self, views: Sequence[Tensor]) -> dict[str, Tensor]:
+    def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """Swapped prediction: the codes of each global view predicted by every other view (global and local)."""
         self.prototypes.normalize()
         high, features = self.scores(list(views[:2]))

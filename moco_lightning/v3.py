@@ -15,10 +15,10 @@ from typing import Any, Literal, Optional
 from torch import Tensor, nn
 
 from .backbones import zero_init_residuals
-from .contrastive import MomentumContrast
+from .contrastive import MomentumContrast, Terms
 from .errors import ConfigError
 from .heads import is_vit, v3_heads
-from .negatives import InBatch, Negatives
+from .negatives import InBatch
 
 
 class MoCoV3(MomentumContrast):
@@ -38,7 +38,6 @@ class MoCoV3(MomentumContrast):
     """
 
     STRUCTURAL = MomentumContrast.STRUCTURAL + ("vit",)
-    symmetric = True  # v3's loss is L(q₁, k₂) + L(q₂, k₁)
 
     def __init__(
         self,
@@ -70,7 +69,7 @@ class MoCoV3(MomentumContrast):
             warmup_epochs=warmup_epochs,
             **kwargs,
         )
-        self.in_batch = InBatch()
+        self.dictionary = InBatch()
         if freeze_patch_embed:
             proj = getattr(self.backbone, "conv_proj", None)
             if not isinstance(proj, nn.Conv2d):
@@ -80,7 +79,7 @@ class MoCoV3(MomentumContrast):
                 )
             proj.requires_grad_(False)
         if zero_init_residual and isinstance(self.hparams.get("backbone"), str) and zero_init_residuals(self.backbone):
-            self.key_encoder.reset(self)  # f_k starts as a copy of f_q
+            self.momentum_copy.reset(self)  # f_k starts as a copy of f_q
 
     def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
         vit: Optional[bool] = self.hparams.vit
@@ -88,17 +87,11 @@ class MoCoV3(MomentumContrast):
             self.feature_dim, self.hparams.hidden_dim, self.hparams.dim, is_vit(self.backbone) if vit is None else vit
         )
 
-    @property
-    def dictionary(self) -> Negatives:
-        return self.in_batch
-
-    def global_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> tuple[Tensor, list, list, list]:
+    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
         """The official builder's order: q₁, q₂, then k₁, k₂ (the key encoder's BatchNorm sees x₁ first);
-        loss terms L(q₁, k₂) + L(q₂, k₁), the other keys of the global batch as negatives."""
+        loss terms L(q₁, k₂) + L(q₂, k₁), the other keys of the global batch as negatives, times 2T (the
+        gradient's size then does not depend on T)."""
         h, q1 = self.query(x_q)
         q2 = self.query(x_k)[1]
         k1, k2 = self.key(x_q), self.key(x_k)
-        return h, [(q1, k2, None), (q2, k1, None)], [q1, q2], [k1, k2]
-
-    def loss_scale(self) -> float:
-        return 2 * self.hparams.temperature  # the gradient's size then does not depend on T
+        return Terms(h, [(q1, k2, None), (q2, k1, None)], [q1, q2], [k1, k2], 2 * self.hparams.temperature)

@@ -44,9 +44,10 @@ MUTANTS = [
            "F.cross_entropy(sims * temperature, labels)", ("tests/test_loss.py",), "logits multiplied by T"),
     Mutant("positive_last", "moco_lightning/loss.py", "torch.cat([l_pos, l_neg], dim=1)",
            "torch.cat([l_neg, l_pos], dim=1)", ("tests/test_loss.py",), "the positive is not in column 0"),
-    Mutant("enqueue_before_loss", "moco_lightning/contrastive.py", "        return self.key(x)\n",
-           "        k = self.key(x)\n        self.dictionary.store(*self.dictionary.to_store([k], [k], index), "
-           "step=self.global_step)\n        return k\n",
+    Mutant("enqueue_before_loss", "moco_lightning/moco.py", "        return self.query_key_terms(x_q, x_k, self.key)\n",
+           "        def key(x):\n            k = self.key(x)\n            self.dictionary.store(*self.dictionary."
+           "to_store([k], [k], index), step=self.global_step)\n            return k\n\n"
+           "        return self.query_key_terms(x_q, x_k, key)\n",
            ("tests/test_moco.py",), "the keys are enqueued before the loss: the positive is among the negatives"),
     Mutant("momentum_forgets_head", "moco_lightning/momentum.py",
            "momentum_update([getattr(owner, c) for c in self.pairs.values()], "
@@ -54,13 +55,13 @@ MUTANTS = [
            "momentum_update([getattr(owner, c) for c in list(self.pairs.values())[:1]], "
            "[getattr(owner, n) for n in list(self.pairs)[:1]], m)", ("tests/test_moco.py",),
            "the key head is never updated (Bolts' bug)"),
-    Mutant("keys_not_gathered", "moco_lightning/contrastive.py",
-           'self._stored = tuple(concat_all_gather(rows, self._equal_sizes) for rows in out.pop("stored"))',
-           'self._stored = tuple(out.pop("stored"))', ("tests/test_distributed.py",),
+    Mutant("keys_not_gathered", "moco_lightning/base.py",
+           'self._stored = tuple(concat_all_gather(rows, self._equal_sizes) for rows in out.pop("stored", ()))',
+           'self._stored = tuple(out.pop("stored", ()))', ("tests/test_distributed.py",),
            "under DDP each rank enqueues only its own keys (lightly #1018)"),
-    Mutant("validation_enqueues", "moco_lightning/contrastive.py",
-           "            out = self.contrast(*self.batch_views(batch)[0][:2])\n",
-           "            out = self.contrast(*self.batch_views(batch)[0][:2])\n"
+    Mutant("validation_enqueues", "moco_lightning/base.py",
+           "            out = self.views_loss(self.batch_views(batch)[0][:2])\n",
+           "            out = self.views_loss(self.batch_views(batch)[0][:2])\n"
            "            self.dictionary.store(*out['stored'], step=self.global_step)\n",
            ("tests/test_moco.py",), "validation enqueues its keys (Bolts #419)"),
     Mutant("knn_unweighted", "callbacks/knn.py", "(sim.float() / temperature).exp()", "torch.ones_like(sim.float())",

@@ -61,9 +61,9 @@ def test_target_gets_no_gradient_and_moves_only_by_the_cosine_momentum(seeded):
     # the update after the j-th step uses τ(j), j = 1, 2, 3 (the official MoCo v3 indexing, one for every method)
     for j, (online, before, after) in enumerate(zip(record.online, record.target_before, record.target_after), 1):
         m = 1 - 0.1 * (math.cos(math.pi * j / 3) + 1) / 2
-        assert model.momentum_at(j) == pytest.approx(m)
+        assert model.momentum_copy.at(model, j) == pytest.approx(m)
         torch.testing.assert_close(after, m * before + (1 - m) * online)
-    assert model.momentum_at(0) == 0.9 and model.momentum_at(3) == 1.0
+    assert model.momentum_copy.at(model, 0) == 0.9 and model.momentum_copy.at(model, 3) == 1.0
 
 
 def test_a_step_checkpoint_holds_that_steps_momentum_update(seeded, tmp_path):

@@ -232,7 +232,7 @@ def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, m
 def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
     """``Trainer.fit(MoCo(...), ckpt_path=<a SimCLR checkpoint>)`` written from Python (no CLI class path in its
     hyper-parameters): one line naming both classes, as the CLI gives, not torch's list of missing keys."""
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
 
     from moco_lightning import SimCLR
 
@@ -253,7 +253,7 @@ def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
 def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(method, tmp_path):
     """A checkpoint every 3 steps (or every few minutes) of a 8-step run: Lightning's last.ckpt held step 6; the
     run's last step is saved too."""
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import moco_lightning
@@ -268,3 +268,32 @@ def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(met
     assert last["global_step"] == 8
     for key, value in model.state_dict().items():
         assert torch.equal(value, last["state_dict"][key]), key
+
+
+@pytest.mark.parametrize("cls,old", [("MoCo", "queue."), ("MemoryBankMoCo", "memory_bank.")])
+def test_a_format_3_checkpoint_with_the_dictionary_under_its_old_name_reloads_and_resumes(cls, old, tmp_path, seeded):
+    """Format 3 (main before the one step protocol) saved the dictionary as ``queue`` / ``memory_bank``."""
+    import moco_lightning
+    from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
+
+    extra = dict(memory_bank_size=64, num_negatives=8) if cls == "MemoryBankMoCo" else {}
+    model = tiny_moco(getattr(moco_lightning, cls), **extra)
+    trainer = cpu_trainer(max_steps=2, limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    trainer.save_checkpoint(tmp_path / "now.ckpt")
+    checkpoint = torch.load(tmp_path / "now.ckpt", weights_only=True)
+    state = checkpoint["state_dict"]
+    dictionary = {k: v for k, v in state.items() if k.startswith("dictionary.")}
+    assert dictionary
+    for key, value in dictionary.items():
+        state[old + key.split(".", 1)[1]] = state.pop(key)
+    checkpoint["moco_lightning"]["format_version"] = 3
+    torch.save(checkpoint, tmp_path / "format3.ckpt")
+
+    loaded = getattr(moco_lightning, cls).load_from_checkpoint(tmp_path / "format3.ckpt", backbone=tiny_backbone())
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    resumed = tiny_moco(getattr(moco_lightning, cls), **extra)
+    cpu_trainer(max_steps=3, limit_val_batches=0).fit(resumed, tiny_data(), ckpt_path=tmp_path / "format3.ckpt")
+    assert resumed.global_step == 3
+    assert not torch.equal(resumed.state_dict()[next(iter(dictionary))], dictionary[next(iter(dictionary))])

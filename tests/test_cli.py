@@ -135,8 +135,8 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
     assert sorted(p.name for p in (tmp_path / "runs/tiny").iterdir()) == ["version_0"]  # no new version_1
     final = torch.load(tmp_path / "runs/tiny/version_0/checkpoints/last.ckpt", weights_only=True)
     assert final["global_step"] == 9
-    enqueued = final["state_dict"]["queue.enqueued_at"]
-    assert torch.equal(enqueued[: 6 * 16], after_a["state_dict"]["queue.enqueued_at"][: 6 * 16])
+    enqueued = final["state_dict"]["dictionary.enqueued_at"]
+    assert torch.equal(enqueued[: 6 * 16], after_a["state_dict"]["dictionary.enqueued_at"][: 6 * 16])
     assert [int((enqueued == s).sum()) for s in range(1, 10)] == [16] * 9  # 16 keys of each of steps 1-9
 
 

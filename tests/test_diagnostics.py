@@ -42,15 +42,18 @@ class MoCoLike(TinyNet):
     def __init__(self) -> None:
         super().__init__()
         self.key_backbone = nn.Linear(4, 4).requires_grad_(False)
-        self.queue = FakeQueue(8)
+        self.dictionary = FakeQueue(8)
+
+    def momentum_copies(self) -> dict[str, str]:
+        return {"backbone": "key_backbone"}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         with torch.no_grad():
             for p in self.key_backbone.parameters():
                 p.mul_(0.9)
         for _ in range(2):
-            self.queue.enqueued_at[self.queue.ptr] = self.global_step
-            self.queue.ptr = (self.queue.ptr + 1) % 8
+            self.dictionary.enqueued_at[self.dictionary.ptr] = self.global_step
+            self.dictionary.ptr = (self.dictionary.ptr + 1) % 8
 
 
 def test_diagnostics_on_a_plain_module_with_known_numbers(seeded):
@@ -112,3 +115,21 @@ def test_key_drift_works_with_channels_last_weights():
     moving, frozen = drift(0.9), drift(1.0)  # the logged drift is read: it moves with m, and is 0 when f_k is fixed
     assert moving and all(math.isfinite(v) and 0 < v < 1 for v in moving)
     assert frozen and all(v == 0.0 for v in frozen)
+
+
+def test_diagnostics_see_byols_target_network_and_its_embeddings(seeded):
+    """BYOL's momentum copy is its target network: the drift and the embeddings' health are logged as MoCo's."""
+    from conftest import tiny_data
+    from method_toys import tiny
+
+    from moco_lightning import BYOL
+
+    model, logger = tiny(BYOL, momentum=0.9, momentum_schedule="constant"), RecordingLogger()
+    trainer(max_steps=4, logger=logger, callbacks=[RepresentationDiagnostics(every_n_steps=2)]).fit(
+        model, datamodule=tiny_data()
+    )
+    changes = [v for _, v in logger.series("diag/key_rel_change")]
+    assert len(changes) == 2 and all(0.0 < v < 1.0 for v in changes)
+    assert [s for s, _ in logger.series("diag/alignment")] == [2, 4]
+    assert all(0.0 <= v <= 4.0 for _, v in logger.series("diag/alignment"))
+    assert not logger.series("diag/queue_age")  # no dictionary

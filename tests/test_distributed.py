@@ -90,8 +90,8 @@ class Record(Callback):
     def on_train_end(self, trainer, pl_module):
         torch.save(
             {
-                "queue": pl_module.queue.keys.clone(),
-                "ptr": pl_module.queue.ptr.item(),
+                "queue": pl_module.dictionary.keys.clone(),
+                "ptr": pl_module.dictionary.ptr.item(),
                 "losses": self.losses,
                 "backbone": {k: v.clone() for k, v in pl_module.backbone.state_dict().items()},
                 "key_backbone": {k: v.clone() for k, v in pl_module.key_backbone.state_dict().items()},
@@ -124,7 +124,7 @@ def test_ddp_queue_identical_on_ranks_and_equal_to_one_process(tmp_path):
     # bit-identical dictionary on both ranks, 3 steps x 8 keys into K=20: wrapped around to slot 4
     assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == r1["ptr"] == single["ptr"] == (STEPS * 2 * B) % 20
     # DDP does not re-broadcast the queue from rank 0 (which would hide a missing gather): the ranks agree by themselves
-    assert {"queue.keys", "queue.ptr", "queue.enqueued_at"} <= set(r0["ddp_ignores"])
+    assert {"dictionary.keys", "dictionary.ptr", "dictionary.enqueued_at"} <= set(r0["ddp_ignores"])
     # ... and the same keys, in the same slots, as one process fed the same global batches
     torch.testing.assert_close(r0["queue"], single["queue"], rtol=1e-5, atol=1e-6)
     # the same loss (mean of the ranks' means) and the same query-encoder and key-encoder updates
@@ -498,7 +498,7 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     for step in range(4, 12):
         position = 4 + (step - 4) / 2  # of the 8 planned steps of 32 images
         assert lrs[step] == pytest.approx(0.06 * 16 / 256 * cosine(position, 8, 1.0, 0.0), rel=1e-6), step
-    queue = torch.load(tmp_path / "one" / "step=12.ckpt", weights_only=True)["state_dict"]["queue.ptr"]
+    queue = torch.load(tmp_path / "one" / "step=12.ckpt", weights_only=True)["state_dict"]["dictionary.ptr"]
     assert int(queue) == (4 * 32 + 8 * 16) % 48  # the 2-process run's keys, then 8 steps of 16
     run(2, "again", ckpt_path=tmp_path / "one" / "step=8.ckpt")  # epoch 2's end (position 6 of 8): 1 epoch left
     again = torch.load(tmp_path / "again0.pt")

@@ -16,7 +16,7 @@ from moco_lightning.negatives import InBatch
 
 
 def key_state(model):
-    return {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("key_", "queue."))}
+    return {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("key_", "dictionary."))}
 
 
 def assert_states_equal(a, b):
@@ -33,7 +33,7 @@ def test_forward_returns_backbone_features_and_key_encoder_is_frozen_copy(seeded
     for (nq, pq), (nk, pk) in zip(model.backbone.named_parameters(), model.key_backbone.named_parameters()):
         assert nq == nk and torch.equal(pq, pk) and pq.requires_grad and not pk.requires_grad
     assert all(not p.requires_grad for p in model.key_projection_head.parameters())
-    assert model.queue.keys.shape == (32, 8)
+    assert model.dictionary.keys.shape == (32, 8)
 
 
 def test_torchvision_backbone_with_small_grayscale_stem():
@@ -82,7 +82,7 @@ def test_momentum_update_follows_the_formula(seeded, m):
             p.add_(torch.randn_like(p))
     q = [p.clone() for p in [*model.backbone.parameters(), *model.projection_head.parameters()]]
     k = [p.clone() for p in [*model.key_backbone.parameters(), *model.key_projection_head.parameters()]]
-    model.momentum_update(m)
+    model.momentum_copy.update(model, m)
     after = [*model.key_backbone.parameters(), *model.key_projection_head.parameters()]
     for pk, pq, new in zip(k, q, after):
         torch.testing.assert_close(new, pk * m + pq * (1 - m), rtol=0, atol=1e-6)
@@ -95,13 +95,13 @@ class CountUpdates(Callback):
         self.updates, self.batches = 0, 0
 
     def on_train_start(self, trainer, pl_module):
-        original = pl_module.key_encoder.update  # the one momentum piece (MomentumCopy)
+        original = pl_module.momentum_copy.update  # the one momentum piece (MomentumCopy)
 
         def counted(owner, m):
             self.updates += 1
             original(owner, m)
 
-        pl_module.key_encoder.update = counted
+        pl_module.momentum_copy.update = counted
 
     def on_train_batch_end(self, *args):
         self.batches += 1
@@ -115,7 +115,7 @@ def test_momentum_applied_once_per_optimizer_step(seeded, accumulate, expected_u
     trainer.fit(model, tiny_data())
     assert counter.batches == 4
     assert counter.updates == expected_updates == trainer.global_step
-    assert model.queue.ptr.item() == 4 * 16  # every batch's keys are enqueued, micro-batches included
+    assert model.dictionary.ptr.item() == 4 * 16  # every batch's keys are enqueued, micro-batches included
 
 
 def test_key_encoder_gets_no_gradient_and_no_optimizer_state(seeded):
@@ -190,9 +190,9 @@ def test_positive_key_is_never_among_the_negatives(seeded):
     cpu_trainer(max_steps=2, limit_val_batches=0).fit(model, tiny_data())  # a queue holding real keys
     model.train()
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
-    before = model.queue.keys.clone()
-    out = model.contrast(x1, x2)
-    assert torch.equal(model.queue.keys, before)
+    before = model.dictionary.keys.clone()
+    out = model.views_loss([x1, x2])
+    assert torch.equal(model.dictionary.keys, before)
     torch.testing.assert_close(out["sims"][:, 1:], out["q"] @ before.T, rtol=0, atol=1e-6)
     torch.testing.assert_close(out["sims"][:, 0], (out["q"] * out["k"]).sum(1), rtol=0, atol=1e-6)
     assert (out["k"] @ before.T).max() < 1 - 1e-4  # this step's keys are not among its negatives
@@ -203,9 +203,9 @@ def test_training_loss_matches_hand_computation(seeded):
     enqueued k before the loss) cannot match itself."""
     model = tiny_moco()
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
-    queue_before = model.queue.keys.clone()
-    out = model.contrast(x1, x2)
-    assert torch.equal(model.queue.keys, queue_before)
+    queue_before = model.dictionary.keys.clone()
+    out = model.views_loss([x1, x2])
+    assert torch.equal(model.dictionary.keys, queue_before)
     q = F.normalize(model.projection_head(model.backbone(x1)), dim=1)
     k = F.normalize(model.key_projection_head(model.key_backbone(x2)), dim=1)
     logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue_before.T], 1) / 0.2
@@ -216,8 +216,8 @@ def test_training_loss_matches_hand_computation(seeded):
 def test_symmetric_loss_and_both_keys_enqueued(seeded):
     model = tiny_moco(symmetric=True)
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
-    out = model.contrast(x1, x2)
-    queue = model.queue.keys
+    out = model.views_loss([x1, x2])
+    queue = model.dictionary.keys
     from moco_lightning.loss import info_nce
 
     _, q1 = model.query(x1)
@@ -227,15 +227,15 @@ def test_symmetric_loss_and_both_keys_enqueued(seeded):
     assert out["stored"][0].shape == (16, 8)
     model2 = tiny_moco(symmetric=True)
     cpu_trainer(limit_val_batches=0, max_steps=1).fit(model2, tiny_data())
-    assert model2.queue.ptr.item() == 32 % 32 and (model2.queue.enqueued_at == 1).sum() == 32
+    assert model2.dictionary.ptr.item() == 32 % 32 and (model2.dictionary.enqueued_at == 1).sum() == 32
 
 
 def test_queue_size_zero_uses_in_batch_negatives(seeded):
     model = tiny_moco(queue_size=0)
     cpu_trainer(limit_val_batches=0, max_steps=2).fit(model, tiny_data())
-    assert isinstance(model.queue, InBatch)  # no queue: nothing stored, no buffer
-    assert not any(k.startswith("queue.") for k in model.state_dict()) and model.dictionary_buffers() == []
-    out = model.contrast(torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28))
+    assert isinstance(model.dictionary, InBatch)  # no queue: nothing stored, no buffer
+    assert not any(k.startswith("dictionary.") for k in model.state_dict()) and model.dictionary_buffers() == []
+    out = model.views_loss([torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)])
     assert out["sims"].shape == (8, 8) and out["labels"].tolist() == list(range(8))
 
 
@@ -278,7 +278,9 @@ def test_checkpoint_round_trip_is_bit_exact(seeded, tmp_path):
     trainer.save_checkpoint(path)
     loaded = MoCo.load_from_checkpoint(path)
     assert_states_equal(key_state(model), key_state(loaded))
-    assert loaded.queue.ptr.item() == 32 % 32 and torch.equal(loaded.queue.enqueued_at, model.queue.enqueued_at)
+    assert loaded.dictionary.ptr.item() == 32 % 32 and torch.equal(
+        loaded.dictionary.enqueued_at, model.dictionary.enqueued_at
+    )
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):
         assert torch.equal(a, b)
     assert torch.load(path, weights_only=True)["global_step"] == 2  # the momentum schedule's clock
@@ -315,7 +317,7 @@ def test_step_checkpoints_hold_the_steps_momentum_update_and_keys(seeded, tmp_pa
     cpu_trainer(callbacks=[checkpoint, After()], enable_checkpointing=True, limit_val_batches=0).fit(model, tiny_data())
     for step in (1, 2, 3):
         saved = torch.load(tmp_path / f"step={step}.ckpt", weights_only=True)["state_dict"]
-        assert saved["queue.ptr"].item() == step * 16 % 32 and saved["queue.enqueued_at"].max().item() == step
+        assert saved["dictionary.ptr"].item() == step * 16 % 32 and saved["dictionary.enqueued_at"].max().item() == step
         for name, value in states[step].items():
             assert torch.equal(saved[name], value), (step, name)
 
@@ -331,7 +333,7 @@ def test_v3_loss_equals_hand_computation_and_predictor_is_query_only(seeded):
     assert not any(n.startswith("key_prediction") for n, _ in model.named_parameters())
     x1, x2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
     model.train()
-    loss = model.contrast(x1, x2)["loss"]
+    loss = model.views_loss([x1, x2])["loss"]
 
     def q_of(x):
         return F.normalize(model.prediction_head(model.projection_head(model.backbone(x))), dim=1)
@@ -356,7 +358,7 @@ def test_v3_key_encoder_sees_x1_then_x2_as_the_official_builder(seeded):
     x1, x2 = torch.randn(6, 1, 28, 28) + 2, torch.randn(6, 1, 28, 28) - 2
     official, swapped = copy.deepcopy(model.key_backbone), copy.deepcopy(model.key_backbone)
     model.train()
-    model.contrast(x1, x2)
+    model.views_loss([x1, x2])
     with torch.no_grad():
         official(x1), official(x2)
         swapped(x2), swapped(x1)
@@ -371,7 +373,7 @@ def test_symmetric_v2_enqueues_k1_then_k2_as_the_official_cifar_demo(seeded):
     """The official demo's symmetric loss enqueues torch.cat([k1, k2]), k1 = f_k(x1) (not [f_k(x2), f_k(x1)])."""
     model = tiny_moco(symmetric=True)
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
-    out = model.contrast(x1, x2)
+    out = model.views_loss([x1, x2])
     torch.testing.assert_close(out["stored"][0], torch.cat([model.key(x1), model.key(x2)]), rtol=0, atol=1e-6)
 
 
@@ -396,23 +398,23 @@ def test_batch_dictionary_has_no_key_encoder_and_gradients_through_both_views(se
     assert not hasattr(model, "key_backbone") and not hasattr(model, "key_projection_head")
     assert not any(k.startswith("key_") for k in model.state_dict())
     x1, x2 = torch.randn(8, 1, 28, 28, requires_grad=True), torch.randn(8, 1, 28, 28, requires_grad=True)
-    model.contrast(x1, x2)["loss"].backward()
+    model.views_loss([x1, x2])["loss"].backward()
     assert x1.grad.abs().sum() > 0 and x2.grad.abs().sum() > 0
 
 
 def test_memory_bank_step_updates_exactly_the_batch_rows(seeded):
     model = tiny_moco(MemoryBankMoCo, memory_bank_size=20, num_negatives=12, bank_momentum=0.3)
     assert not hasattr(model, "key_backbone")
-    before = model.memory_bank.features.clone()
+    before = model.dictionary.features.clone()
     index = torch.tensor([3, 17, 9, 0])
-    out = model.contrast(torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28), index)
+    out = model.views_loss([torch.randn(4, 1, 28, 28), torch.randn(4, 1, 28, 28)], index)
     assert out["sims"].shape == (4, 13)  # the stored positive + 12 sampled negatives
     torch.testing.assert_close(out["sims"][:, 0], (out["q"] * before[index]).sum(1))
     model._stored = out["stored"]
     model.finish_step()
     expected = before.clone()
     expected[index] = F.normalize(0.3 * before[index] + 0.7 * out["q"], dim=1)  # m != 1 - m: a swap fails
-    torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-7)
+    torch.testing.assert_close(model.dictionary.features, expected, rtol=0, atol=1e-7)
     with pytest.raises(ValueError, match="memory_bank_size = the number of training images"):
         tiny_moco(MemoryBankMoCo)
 
@@ -428,7 +430,7 @@ def test_each_dictionary_trains_through_the_trainer(seeded, dictionary, one_torc
     after = model.state_dict()
     assert not torch.equal(before["backbone.0.weight"], after["backbone.0.weight"])
     if dictionary == "memory_bank":
-        changed = (before["memory_bank.features"] != after["memory_bank.features"]).any(1)
+        changed = (before["dictionary.features"] != after["dictionary.features"]).any(1)
         assert int(changed.sum()) == 3 * 16  # 3 batches of 16 distinct images of the 64
 
 
@@ -453,16 +455,16 @@ def test_memory_bank_of_another_size_than_the_training_set_fails_at_fit_start(se
 
 def test_symmetric_memory_bank_moves_each_row_once_towards_the_mean_query(seeded):
     model = tiny_moco(MemoryBankMoCo, memory_bank_size=10, num_negatives=6, bank_momentum=0.3, symmetric=True)
-    before = model.memory_bank.features.clone()
+    before = model.dictionary.features.clone()
     index = torch.tensor([1, 8, 4])
     x1, x2 = torch.randn(3, 1, 28, 28), torch.randn(3, 1, 28, 28)
-    out = model.contrast(x1, x2, index)
+    out = model.views_loss([x1, x2], index)
     q1, q2 = out["q"], model.query(x2)[1].detach()
     model._stored = out["stored"]
     model.finish_step()
     expected = before.clone()
     expected[index] = F.normalize(0.3 * before[index] + 0.7 * (q1 + q2) / 2, dim=1)
-    torch.testing.assert_close(model.memory_bank.features, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(model.dictionary.features, expected, rtol=0, atol=1e-6)
 
 
 def test_bf16_mixed_trains_with_fp32_logits_queue_and_weights(seeded):
@@ -475,7 +477,7 @@ def test_bf16_mixed_trains_with_fp32_logits_queue_and_weights(seeded):
 
     cpu_trainer(max_steps=2, limit_val_batches=0, precision="bf16-mixed", callbacks=[Check()]).fit(model, tiny_data())
     assert seen == {"loss": torch.float32, "q": torch.float32, "k": torch.float32}
-    assert model.queue.keys.dtype == torch.float32 and model.queue.ptr.item() == 32
+    assert model.dictionary.keys.dtype == torch.float32 and model.dictionary.ptr.item() == 32
     assert all(p.dtype == torch.float32 for p in model.key_backbone.parameters())
 
 
@@ -567,7 +569,7 @@ def test_multi_crop_loss_equals_hand_computation(seeded, symmetric):
     model.eval()  # BN with running statistics: the formula, not the batch composition (local views go in as one batch)
     g1, g2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
     locals_ = [torch.randn(6, 1, 14, 14) for _ in range(3)]
-    loss = model.contrast(g1, g2, local_views=locals_)["loss"]
+    loss = model.views_loss([g1, g2, *locals_])["loss"]
 
     def q_of(x):
         return F.normalize(model.projection_head(model.backbone(x)), dim=1)
@@ -576,7 +578,7 @@ def test_multi_crop_loss_equals_hand_computation(seeded, symmetric):
         with torch.no_grad():
             return F.normalize(model.key_projection_head(model.key_backbone(x)), dim=1)
 
-    queue = model.queue.keys
+    queue = model.dictionary.keys
 
     def ce(q, k):
         logits = torch.cat([(q * k).sum(1, keepdim=True), q @ queue.T], 1) / 0.2
@@ -602,7 +604,7 @@ def test_multi_crop_without_a_queue_gathers_each_global_key_once(seeded, monkeyp
     calls = []
     real = loss_module._gather_with_grad
     monkeypatch.setattr(loss_module, "_gather_with_grad", lambda x, eq: calls.append(x) or real(x, eq))
-    loss = model.contrast(g1, g2, local_views=locals_)["loss"]
+    loss = model.views_loss([g1, g2, *locals_])["loss"]
     assert len(calls) == 2
     with torch.no_grad():
         k1, k2 = (F.normalize(model.key_projection_head(model.key_backbone(g)), dim=1) for g in (g1, g2))
@@ -615,7 +617,9 @@ def test_multi_crop_without_a_queue_gathers_each_global_key_once(seeded, monkeyp
         return F.cross_entropy(q @ k.T / t, torch.arange(len(q)))
 
     terms = [ce(q[0], k2), ce(q[1], k1)] + [ce(lq, k) for lq in q[2:] for k in (k2, k1)]
-    torch.testing.assert_close(loss, 2 * torch.stack(terms).mean() * model.loss_scale(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        loss, 2 * torch.stack(terms).mean() * 2 * model.hparams.temperature, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_multi_crop_key_encoder_never_sees_a_local_view_and_only_global_keys_are_enqueued(seeded):
@@ -625,7 +629,7 @@ def test_multi_crop_key_encoder_never_sees_a_local_view_and_only_global_keys_are
     data = tiny_data(local_views=2, local_size=14, local_scale=(0.3, 0.6))
     cpu_trainer(max_steps=2, limit_val_batches=0).fit(model, data)
     assert seen and set(seen) == {(28, 28)}
-    assert model.queue.ptr.item() == 2 * 16 and int((model.queue.enqueued_at >= 1).sum()) == 2 * 16
+    assert model.dictionary.ptr.item() == 2 * 16 and int((model.dictionary.enqueued_at >= 1).sum()) == 2 * 16
 
 
 def test_multi_crop_resume_is_bit_equal(tmp_path):
@@ -664,7 +668,7 @@ def test_compiled_encoders_give_the_eager_loss_and_the_momentum_update_moves_the
         cpu_trainer(max_steps=3, limit_val_batches=0, callbacks=[Losses(record)]).fit(model, tiny_data())
         assert set(model.state_dict()) == set(tiny_moco().state_dict())  # no "_orig_mod." keys: plain checkpoints
         assert not torch.equal(before["0.weight"], model.key_backbone.state_dict()["0.weight"])  # the EMA moved it
-        assert model.queue.ptr.item() == 3 * 16 % 32
+        assert model.dictionary.ptr.item() == 3 * 16 % 32
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
@@ -756,7 +760,7 @@ class _RecordSchedules(Callback):
 
     def on_train_batch_start(self, trainer, module, *args):
         self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
-        self.momenta[trainer.global_step] = module.momentum_at(trainer.global_step)
+        self.momenta[trainer.global_step] = module.momentum_copy.at(module, trainer.global_step)
 
 
 def _planned_then_resumed(tmp_path, steps_then: int, batch_then: int = 16, resume_at: int = 4):

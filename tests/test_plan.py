@@ -21,7 +21,7 @@ class Longer(Callback):
         if trainer.global_step == 3:
             change_length(module, 12)
         self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
-        self.momenta[trainer.global_step] = module.momentum_at(trainer.global_step)
+        self.momenta[trainer.global_step] = module.momentum_copy.at(module, trainer.global_step)
 
 
 def test_change_length_stretches_the_schedules_and_stops_at_the_new_end(seeded):

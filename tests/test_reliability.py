@@ -146,8 +146,8 @@ def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninte
         final = _final_state(last)
         assert final["global_step"] == steps and final["epoch"] == 1
         # the restored run carried the queue on: every step after the stop enqueued its 16 x devices keys
-        assert final["state_dict"]["queue.ptr"].item() == (steps * 16 * devices) % 40
-        assert final["state_dict"]["queue.enqueued_at"].max().item() == steps
+        assert final["state_dict"]["dictionary.ptr"].item() == (steps * 16 * devices) % 40
+        assert final["state_dict"]["dictionary.enqueued_at"].max().item() == steps
         _assert_equal(final, _final_state(tmp_path / "whole" / "last.ckpt"), f"{interrupt}: checkpoint")
 
 
@@ -275,8 +275,8 @@ def test_nan_loss_can_skip_the_batch(seeded):
     # Lightning still counts the optimizer call of the skipped batch (it has no gradients, so SGD leaves the weights)
     assert trainer.global_step == 4
     # the skipped batch's keys were not enqueued: keys of 3 batches, written at steps 1, 3 and 4
-    assert model.queue.ptr.item() == 3 * 16
-    assert set(model.queue.enqueued_at.tolist()) == {-1, 1, 3, 4}
+    assert model.dictionary.ptr.item() == 3 * 16
+    assert set(model.dictionary.enqueued_at.tolist()) == {-1, 1, 3, 4}
 
 
 def test_checkpoint_mismatch_says_what_differs(seeded, tmp_path):

@@ -86,10 +86,10 @@ def test_multi_crop_batches_train_with_their_local_views_through_the_trainer(see
     model = tiny(SwAV)
     original, seen = model.views_loss, []
 
-    def recording(views):
+    def recording(views, index=None):
         with torch.no_grad():  # first (the prototypes are normalised in place by each call): the global views alone
             without_local = original(views[:2])["loss"]
-        out = original(views)
+        out = original(views, index)
         seen.append(([tuple(v.shape[-2:]) for v in views], out["loss"].item(), without_local))
         return out
 
