@@ -241,7 +241,7 @@ def low_label_probe(
     (seeded, class-stratified: the library's ``balanced_subset``): Adam, batches of 256, at least ``LOW_LABEL_STEPS``
     steps and 20 epochs (``fraction=1``: the full-label probe of :func:`evaluate`)."""
     from moco_lightning.callbacks import probe_accuracy
-    from moco_lightning.linear_eval import balanced_subset
+    from moco_lightning.datamodules.selection import balanced_subset
 
     idx = balanced_subset(bank_y, fraction=fraction, seed=seed)
     epochs = max(20, -(-LOW_LABEL_STEPS // -(-len(idx) // 256)))

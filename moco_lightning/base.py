@@ -28,16 +28,16 @@ from .backbones import build_backbone, is_backbone_spec, warn_cifar_stem
 from .batches import is_views_batch, split_views
 from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
+from .continuity import Continuing
 from .distributed import concat_all_gather, equal_batches, world_size
 from .errors import check_arguments
-from .log_history import read_csv_history
 from .momentum import MomentumCopy
 from .nan_guard import NanGuard
 from .negatives import Negatives
 from .preemption import Preemption
 
 
-class Pretraining(SafeLoading, LightningModule):
+class Pretraining(SafeLoading, Continuing, LightningModule):
     """Base of the pretraining modules.
 
     Args:
@@ -107,8 +107,6 @@ class Pretraining(SafeLoading, LightningModule):
         self._resume: dict = {}  # what the checkpoint being restored holds for the run: RNG states, step plan
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
         self._stepped = 0  # global_step when optimizer_stepped() last said so
-        self._csv_history: list = []  # CSV loggers' rows of the run a checkpoint continues (read before Lightning
-        # deletes them)
 
     # --- features ---------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
@@ -145,9 +143,6 @@ class Pretraining(SafeLoading, LightningModule):
         )
 
     # --- fit start / end --------------------------------------------------------------------
-    def prepare_data(self) -> None:
-        self._csv_history = read_csv_history(self.trainer)  # a resumed run keeps them (on_load_checkpoint)
-
     def setup(self, stage: str) -> None:
         load_checkpoints_safely(self.trainer)  # before the Trainer restores a ckpt_path
         _lightning.keep_out_of_ddp_broadcast(self, self.dictionary_buffers())
@@ -187,14 +182,14 @@ class Pretraining(SafeLoading, LightningModule):
 
     def on_train_end(self) -> None:
         self.nan_guard.raise_if_pending()
-        _lightning.save_last_now(self.trainer)  # the run's last step in last.ckpt, whatever the saving interval
+        super().on_train_end()  # the run's last step in last.ckpt
 
     # --- a step ---------------------------------------------------------------------------------
     #: False: the pretext loss means nothing on held-out images (MemoryBankMoCo: they have no row in the bank);
     #: validation then runs the callbacks only
     validation_loss = True
 
-    def batch_views(self, batch: Any) -> tuple[list[Tensor], Optional[Tensor]]:
+    def split_batch(self, batch: Any) -> tuple[list[Tensor], Optional[Tensor]]:
         """``(views, index)`` of a training batch (:func:`moco_lightning.batches.split_views`)."""
         named = isinstance(self.hparams.get("backbone"), str)
         return split_views(batch, type(self).__name__, self.hparams.get("in_channels") if named else None)
@@ -210,7 +205,7 @@ class Pretraining(SafeLoading, LightningModule):
         raise NotImplementedError(f"{type(self).__name__}.views_loss")
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
-        views, index = self.batch_views(batch)
+        views, index = self.split_batch(batch)
         out = self.views_loss(views, index)
         if not self.loss_is_usable(out["loss"], batch_idx, views):
             return None
@@ -224,7 +219,7 @@ class Pretraining(SafeLoading, LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         """The pretext loss on held-out views: never stores keys, never moves a momentum copy."""
         if self.validation_loss and is_views_batch(batch):  # not an evaluation batch (image, target)
-            out = self.views_loss(self.batch_views(batch)[0][:2])
+            out = self.views_loss(self.split_batch(batch)[0][:2])
             self.log_step("val", out, on_step=False, on_epoch=True, sync_dist=True)
 
     def log_step(self, stage: str, out: dict, **kwargs: Any) -> None:

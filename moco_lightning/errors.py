@@ -28,6 +28,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ">= 0": (lambda v: v >= 0, "a number >= 0"),
     "[0, 1]": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     "[0, 1)": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "(0, 1]": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "int >= 0": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "int >= 1": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "ints >= 0": (lambda v: all(isinstance(m, int) and m >= 0 for m in v), "a list of integers >= 0"),
@@ -57,7 +58,7 @@ def check_arguments(owner: str, init: Callable, args: Mapping[str, Any], ranges:
             choices = ", ".join(repr(c) for c in typing.get_args(hint))
             raise ConfigError(f"{owner}: {name}={args[name]!r} is not allowed; {name} must be one of {choices}")
     for name, rule in ranges.items():
-        if name not in args:  # checked by the class that takes it (the base classes check their own)
+        if name not in args or args[name] is None:  # checked by the class that takes it; None: unset
             continue
         ok, allowed = RULES[rule]
         try:

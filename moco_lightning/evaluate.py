@@ -90,10 +90,11 @@ def evaluate(
 
     from moco_lightning.callbacks import embed
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.linear_eval import balanced_subset, pretrained_backbone
+    from moco_lightning.datamodules.selection import balanced_subset
+    from moco_lightning.encoder import load_encoder
 
     t0 = time.perf_counter()
-    backbone, _ = pretrained_backbone(ckpt)
+    backbone, _ = load_encoder(ckpt, arg="--ckpt")
     dm = datamodule if datamodule is not None else FashionMNISTDataModule(pretrain=False, supervised_min_scale=1.0)
     if getattr(dm, "pretrain", False):
         raise ConfigError("evaluate needs the datamodule's evaluation views: set its pretrain false")

@@ -15,19 +15,15 @@ encoder or BYOL's target.
 from __future__ import annotations
 
 import argparse
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .backbones import is_backbone_spec
 from .checkpoint_io import read_checkpoint
-from .compat import format2_momentum_copy
+from .encoder import architecture_in, checkpoint_backbone, load_encoder
 from .errors import ConfigError
-
-ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
 
 
 def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] = "query") -> dict[str, torch.Tensor]:
@@ -35,79 +31,10 @@ def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] 
     return checkpoint_backbone(read_checkpoint(ckpt_path, arg="--ckpt"), ckpt_path, encoder)
 
 
-def momentum_backbone(checkpoint: dict) -> Optional[str]:
-    """The state-dict name of the backbone's momentum copy (MoCo's key encoder, BYOL's target), or None."""
-    copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies")
-    if copies is not None:
-        return copies.get("backbone")
-    return format2_momentum_copy(checkpoint["state_dict"])
-
-
-def checkpoint_backbone(
-    checkpoint: Any, path: str | Path, encoder: Literal["query", "key"] = "query"
-) -> dict[str, torch.Tensor]:
-    """:func:`backbone_state_dict` of a checkpoint already read from ``path`` (named in the errors)."""
-    if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
-        raise ConfigError(
-            f"{path} is not a checkpoint of moco-lightning pretraining (no 'moco_lightning' / 'state_dict' entry)"
-        )
-    name = "backbone" if encoder == "query" else momentum_backbone(checkpoint)
-    if name is None:
-        raise ConfigError(
-            f"{path}: this method has no momentum encoder (no key encoder or target network): export the query "
-            "encoder (--encoder query)"
-        )
-    prefix = name + "."
-    state = OrderedDict((k[len(prefix) :], v) for k, v in checkpoint["state_dict"].items() if k.startswith(prefix))
-    if not state:
-        raise ConfigError(f"{path}: no {prefix}* weights in its state_dict")
-    architecture = describe(checkpoint.get("hyper_parameters") or {})
-    if architecture is not None:
-        state._metadata = OrderedDict({DESCRIPTION: architecture})  # type: ignore[attr-defined]
-    return state
-
-
-DESCRIPTION = "moco_lightning"  # the key of the architecture in an export's _metadata
-
-
-def describe(hparams: dict) -> Optional[dict]:
-    """The architecture a checkpoint's hyper-parameters name: a backbone name, or the ``{class_path, init_args}``
-    spec of a module the CLI built (None for a backbone module of the user's own)."""
-    backbone = hparams.get("backbone")
-    if not isinstance(backbone, str) and not is_backbone_spec(backbone):
-        return None
-    return {k: hparams[k] for k in ARCHITECTURE if k in hparams}
-
-
-def description(state: Any) -> Optional[dict]:
-    """The architecture an exported state dict describes, or None."""
-    return (getattr(state, "_metadata", None) or {}).get(DESCRIPTION)
-
-
 def load_backbone(path: str | Path) -> nn.Module:
     """The backbone exported to ``path`` (``moco-lightning export``), rebuilt from the file's own description and
     loaded strictly; in train mode, as a freshly built module (call ``.eval()`` to extract features)."""
-    return load_export(path)[0]
-
-
-def load_export(path: str | Path) -> tuple[nn.Module, int]:
-    """``(backbone, feature_dim)`` of an exported file; one-line errors naming the file."""
-    return rebuild_export(read_checkpoint(path, expect="export"), path)
-
-
-def rebuild_export(state: Any, path: str | Path) -> tuple[nn.Module, int]:
-    """``(backbone, feature_dim)`` of an exported state dict already read from ``path`` (named in the errors)."""
-    from .backbones import build_backbone
-
-    architecture = description(state) if isinstance(state, dict) else None
-    if architecture is None:
-        raise ConfigError(
-            f"{path} does not say which backbone it holds (exported by an older moco-lightning, or not by its export):"
-            " build the architecture yourself and load_state_dict this file into it, or export again"
-        )
-    model, dim = build_backbone(**architecture)
-    model.load_state_dict(state, strict=True)
-    return model, dim
+    return load_encoder(path, expect="export", arg="")[0]
 
 
 def export_backbone(ckpt_path: str | Path, out_path: str | Path, encoder: Literal["query", "key"] = "query") -> Path:
@@ -143,6 +70,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         written = read_checkpoint(out, expect="export")  # the file reads back as an export
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"moco-lightning export: error: {e}\n")
-    arch = description(written) or {}
+    arch = architecture_in(written) or {}
     what = ", ".join(f"{k} {v}" for k, v in arch.items()) or "architecture not recorded: a backbone module of your own"
     print(f"wrote {out} ({len(written)} tensors, {args.encoder} encoder backbone; {what})")

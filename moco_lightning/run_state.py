@@ -32,13 +32,14 @@ class Resumable(Protocol):
     hparams: Any
     nan_guard: Any  # NanGuard: a pending non-finite loss raises before a checkpoint is written
     step_plan: Any  # Optional[StepPlan]: the schedules' plan, saved and restored
-    _csv_history: list  # CSV loggers' rows read before the writer deleted them (prepare_data)
 
     def finish_step(self) -> None: ...  # the after-step work (momentum update, store), idempotent
 
     def momentum_copies(self) -> dict[str, str]: ...
 
     def attached_trainer(self) -> Any: ...  # the Trainer, or None outside a fit
+
+    def continue_history(self, checkpoint: dict) -> None: ...  # a cut epoch re-opened, the loggers' history kept
 
 
 def rng_states() -> dict:
@@ -179,9 +180,6 @@ def save_state(module: Resumable, checkpoint: dict) -> None:
 def restore_state(module: Resumable, checkpoint: dict) -> dict:
     """``on_load_checkpoint`` of the pretraining modules: an older format upgraded, the format and the structure
     checked, an epoch a ``max_steps`` stop cut short re-opened; returns what the run resumes (RNG states, step plan)."""
-    from ._lightning import reopen_cut_epoch
-    from .log_history import keep_history
-
     who = type(module).__name__
     upgrade(checkpoint, type(module))
     meta = checkpoint.get("moco_lightning")
@@ -190,13 +188,10 @@ def restore_state(module: Resumable, checkpoint: dict) -> dict:
     current = dict(module.hparams)
     stem_of_cifar_stem(current)  # the module's own cifar_stem=True is stem "cifar", as the checkpoint's
     check_structure(checkpoint.get("hyper_parameters", {}), current, module.STRUCTURAL, who)
-    reopen_cut_epoch(checkpoint)
     trainer = module.attached_trainer()
     if trainer is not None and trainer.state.fn == "fit":  # resuming (not loading the weights)
         check_world_size(checkpoint, meta, who)
-    if trainer is not None:
-        keep_history(trainer, module._csv_history, checkpoint.get("global_step", 0))
-    module._csv_history = []
+    module.continue_history(checkpoint)
     return {"rng": this_ranks_rng_states(meta), "plan": meta.get("step_plan")}
 
 

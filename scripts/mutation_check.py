@@ -60,8 +60,8 @@ MUTANTS = [
            'self._stored = tuple(out.pop("stored", ()))', ("tests/test_distributed.py",),
            "under DDP each rank enqueues only its own keys (lightly #1018)"),
     Mutant("validation_enqueues", "moco_lightning/base.py",
-           "            out = self.views_loss(self.batch_views(batch)[0][:2])\n",
-           "            out = self.views_loss(self.batch_views(batch)[0][:2])\n"
+           "            out = self.views_loss(self.split_batch(batch)[0][:2])\n",
+           "            out = self.views_loss(self.split_batch(batch)[0][:2])\n"
            "            self.dictionary.store(*out['stored'], step=self.global_step)\n",
            ("tests/test_moco.py",), "validation enqueues its keys (Bolts #419)"),
     Mutant("knn_unweighted", "callbacks/knn.py", "(sim.float() / temperature).exp()", "torch.ones_like(sim.float())",

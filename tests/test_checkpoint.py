@@ -232,7 +232,7 @@ def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, m
 def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
     """``Trainer.fit(MoCo(...), ckpt_path=<a SimCLR checkpoint>)`` written from Python (no CLI class path in its
     hyper-parameters): one line naming both classes, as the CLI gives, not torch's list of missing keys."""
-    from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
+    from conftest import cpu_trainer, tiny_data, tiny_moco
 
     from moco_lightning import SimCLR
 
@@ -253,7 +253,7 @@ def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
 def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(method, tmp_path):
     """A checkpoint every 3 steps (or every few minutes) of a 8-step run: Lightning's last.ckpt held step 6; the
     run's last step is saved too."""
-    from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
+    from conftest import cpu_trainer, tiny_data, tiny_moco
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import moco_lightning
@@ -273,8 +273,9 @@ def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(met
 @pytest.mark.parametrize("cls,old", [("MoCo", "queue."), ("MemoryBankMoCo", "memory_bank.")])
 def test_a_format_3_checkpoint_with_the_dictionary_under_its_old_name_reloads_and_resumes(cls, old, tmp_path, seeded):
     """Format 3 (main before the one step protocol) saved the dictionary as ``queue`` / ``memory_bank``."""
-    import moco_lightning
     from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
+
+    import moco_lightning
 
     extra = dict(memory_bank_size=64, num_negatives=8) if cls == "MemoryBankMoCo" else {}
     model = tiny_moco(getattr(moco_lightning, cls), **extra)
@@ -285,7 +286,7 @@ def test_a_format_3_checkpoint_with_the_dictionary_under_its_old_name_reloads_an
     state = checkpoint["state_dict"]
     dictionary = {k: v for k, v in state.items() if k.startswith("dictionary.")}
     assert dictionary
-    for key, value in dictionary.items():
+    for key in dictionary:
         state[old + key.split(".", 1)[1]] = state.pop(key)
     checkpoint["moco_lightning"]["format_version"] = 3
     torch.save(checkpoint, tmp_path / "format3.ckpt")

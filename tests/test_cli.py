@@ -460,4 +460,4 @@ def test_linear_is_a_subcommand_of_moco_lightning(tmp_path, monkeypatch, capsys)
     with pytest.raises(SystemExit) as exit_:
         main()
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 2 and err[0].startswith("moco-lightning linear fit: error: need lr > 0"), err
+    assert exit_.value.code == 2 and err[0].startswith("moco-lightning linear fit: error: LinearClassifier: lr="), err

@@ -49,7 +49,7 @@ def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["evaluate", "--ckpt", str(tmp_path / "x.ckpt"), "--fast"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.startswith(f"moco-lightning evaluate: error: model.ckpt_path {tmp_path / 'x.ckpt'}")
+    assert capsys.readouterr().err.startswith(f"moco-lightning evaluate: error: --ckpt {tmp_path / 'x.ckpt'}")
 
 
 def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys):

@@ -275,7 +275,7 @@ def test_a_checkpoint_of_another_method_is_linearly_evaluated(seeded, tmp_path, 
 
 # --- low labels, fine-tuning, from scratch --------------------------------------------------------------------
 def test_balanced_subset_is_class_stratified_seeded_and_checked():
-    from moco_lightning.linear_eval import balanced_subset
+    from moco_lightning.datamodules.selection import balanced_subset
 
     targets = torch.cat([torch.full((100,), 0), torch.full((50,), 1), torch.full((10,), 2), torch.full((5,), -1)])
     idx = balanced_subset(targets, per_class=4, seed=0)
@@ -301,7 +301,7 @@ def tiny_labelled_data(**kwargs):
 def test_label_fraction_trains_on_the_seeded_subset_and_saves_its_indices(seeded, tmp_path):
     from lightning.pytorch import Trainer
 
-    from moco_lightning.linear_eval import balanced_subset
+    from moco_lightning.datamodules.selection import balanced_subset
 
     dm = tiny_labelled_data(batch_size=4)  # 20 labelled images: 5 whole batches
     model = LinearClassifier(backbone=frozen_backbone_2d(), feature_dim=16, labels_per_class=2, label_seed=3, lr=0.1)

@@ -678,7 +678,7 @@ def test_stacked_views_are_taken_as_views_not_unpacked_along_the_batch(seeded):
     train on x_q = both views of image 0, x_k = image 1 and N − 2 "local views", with a finite loss."""
     model = tiny_moco()
     v1, v2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
-    views, index = model.batch_views((torch.stack([v1, v2], 1), torch.zeros(8), torch.arange(8)))
+    views, index = model.split_batch((torch.stack([v1, v2], 1), torch.zeros(8), torch.arange(8)))
     assert len(views) == 2 and torch.equal(views[0], v1) and torch.equal(views[1], v2) and index.tolist() == [*range(8)]
 
     def train(stack):

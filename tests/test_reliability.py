@@ -192,7 +192,7 @@ def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(s
     model = tiny_moco()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
     trainer = cpu_trainer(max_epochs=1, callbacks=[checkpoint], enable_checkpointing=True, limit_val_batches=0)
-    original = model.contrast
+    original = model.views_loss
 
     def poisoned(*views_and_index):
         out = original(*views_and_index)
@@ -200,7 +200,7 @@ def test_nan_loss_stops_with_a_message_and_leaves_the_last_checkpoint_loadable(s
             out["loss"] = out["loss"] * float("nan")
         return out
 
-    model.contrast = poisoned
+    model.views_loss = poisoned
     with pytest.raises(
         FloatingPointError, match=r"loss is nan at global step 2 \(epoch 0, batch 2\).*lr=0.06.*temperature=0.2"
     ):
@@ -258,7 +258,7 @@ def test_a_non_finite_loss_at_full_precision_does_not_suggest_full_precision(see
 
 def test_nan_loss_can_skip_the_batch(seeded):
     model = tiny_moco(on_nan="skip", queue_size=64)
-    original = model.contrast
+    original = model.views_loss
     calls = []
 
     def poisoned(*views_and_index):
@@ -268,7 +268,7 @@ def test_nan_loss_can_skip_the_batch(seeded):
             out["loss"] = out["loss"] * float("inf")
         return out
 
-    model.contrast = poisoned
+    model.views_loss = poisoned
     trainer = cpu_trainer(max_epochs=1, limit_val_batches=0)
     with pytest.warns(UserWarning, match="loss is inf at global step 1.*batch skipped"):
         trainer.fit(model, tiny_data())

@@ -28,7 +28,7 @@ import sys
 from typing import Optional
 
 from .app import (
-    DESCRIPTION,
+    CLI_HELP,
     REFUSED,
     SUBCOMMANDS,
     MoCoCLI,
@@ -42,7 +42,7 @@ from .messages import bad_choice, condense_parser_error, known_classes, missing_
 from .resume import check_checkpoint_class, newest_readable, resolve_last_checkpoint
 
 __all__ = [
-    "DESCRIPTION",
+    "CLI_HELP",
     "REFUSED",
     "SUBCOMMANDS",
     "MoCoCLI",

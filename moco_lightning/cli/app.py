@@ -218,7 +218,7 @@ REFUSED = {  # subcommands Lightning offers that have nothing to run here: one l
     "(predict_step returns backbone features); for class predictions use linear_eval's classifier in Python",
 }
 
-DESCRIPTION = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR, BYOL, SwAV) with Lightning.
+CLI_HELP = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR, BYOL, SwAV) with Lightning.
 
   moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
   moco-lightning fit --config ... --ckpt_path last              resume the newest run
@@ -279,7 +279,7 @@ def run_cli(
             save_config_kwargs={"overwrite": True},
             parser_kwargs={
                 **no_exit,
-                "description": DESCRIPTION if default_model is MoCo else None,
+                "description": CLI_HELP if default_model is MoCo else None,
                 "formatter_class": _HelpFormatter,
                 "prog": prog,
                 **{name: no_exit for name in SUBCOMMANDS},

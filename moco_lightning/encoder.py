@@ -1,0 +1,134 @@
+"""The pretrained encoder of a file, for everything downstream: linear evaluation, ``moco-lightning evaluate``,
+``moco-lightning export`` and :func:`moco_lightning.load_backbone` read it here.
+
+A source is a checkpoint of any pretraining method (its backbone's architecture from the hyper-parameters, its
+weights from ``backbone.*``, or from the momentum copy's) or a file ``moco-lightning export`` wrote (a
+torchvision-style state dict whose ``_metadata`` names its architecture: the backbone's name, ``width``,
+``in_channels``, ``stem``, ``image_size``; ``load_state_dict`` ignores it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+from torch import nn
+
+from .backbones import build_backbone, is_backbone_spec, warn_cifar_stem
+from .checkpoint_io import read_checkpoint
+from .compat import format2_momentum_copy
+from .errors import ConfigError
+
+ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
+ARCHITECTURE_KEY = "moco_lightning"  # the key of the architecture in an export's _metadata
+
+
+def architecture_of(hparams: dict) -> Optional[dict]:
+    """The architecture a checkpoint's hyper-parameters name: a backbone name, or the ``{class_path, init_args}``
+    spec of a module the CLI built (None for a backbone module of the user's own)."""
+    backbone = hparams.get("backbone")
+    if not isinstance(backbone, str) and not is_backbone_spec(backbone):
+        return None
+    return {k: hparams[k] for k in ARCHITECTURE if k in hparams}
+
+
+def architecture_in(state: Any) -> Optional[dict]:
+    """The architecture an exported state dict describes, or None."""
+    return (getattr(state, "_metadata", None) or {}).get(ARCHITECTURE_KEY)
+
+
+def momentum_backbone(checkpoint: dict) -> Optional[str]:
+    """The state-dict name of the backbone's momentum copy (MoCo's key encoder, BYOL's target), or None."""
+    copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies")
+    if copies is not None:
+        return copies.get("backbone")
+    return format2_momentum_copy(checkpoint["state_dict"])
+
+
+def checkpoint_backbone(
+    checkpoint: Any, path: str | Path, encoder: Literal["query", "key"] = "query"
+) -> OrderedDict[str, torch.Tensor]:
+    """The query (default) or key encoder's backbone weights of a checkpoint read from ``path`` (named in the
+    errors), keys as in torchvision, the architecture in ``_metadata`` when the hyper-parameters name it."""
+    if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
+        raise ConfigError(
+            f"{path} is not a checkpoint of moco-lightning pretraining (no 'moco_lightning' / 'state_dict' entry)"
+        )
+    name = "backbone" if encoder == "query" else momentum_backbone(checkpoint)
+    if name is None:
+        raise ConfigError(
+            f"{path}: this method has no momentum encoder (no key encoder or target network): export the query "
+            "encoder (--encoder query)"
+        )
+    prefix = name + "."
+    state = OrderedDict((k[len(prefix) :], v) for k, v in checkpoint["state_dict"].items() if k.startswith(prefix))
+    if not state:
+        raise ConfigError(f"{path}: no {prefix}* weights in its state_dict")
+    architecture = architecture_of(checkpoint.get("hyper_parameters") or {})
+    if architecture is not None:
+        state._metadata = OrderedDict({ARCHITECTURE_KEY: architecture})  # type: ignore[attr-defined]
+    return state
+
+
+def load_encoder(
+    source: str | Path,
+    weights: bool = True,
+    expect: Literal["export", "either"] = "either",
+    arg: str = "model.ckpt_path",
+) -> tuple[nn.Module, int]:
+    """``(backbone, feature_dim)`` of ``source``, a checkpoint of any pretraining method or an export (``expect``:
+    exports only); ``weights=False``: the same architecture, randomly initialised (a from-scratch baseline).
+    One-line errors naming the file and ``arg``, the setting that gave it."""
+    obj = read_checkpoint(source, expect=expect, arg=arg)
+    state = obj if architecture_in(obj) is not None else None
+    if state is None and expect == "export":
+        raise ConfigError(
+            f"{source} does not say which backbone it holds (exported by an older moco-lightning, or not by its "
+            "export): build the architecture yourself and load_state_dict this file into it, or export again"
+        )
+    if state is None and "state_dict" in obj:
+        state = checkpoint_backbone(obj, source)
+    architecture = architecture_in(state) if state is not None else None
+    if architecture is None:
+        raise ConfigError(
+            f"{source}: the file does not name its backbone (pretrained with a backbone module of your own, or not a "
+            "file of this library): pass that module as `backbone` and the file as its weights"
+        )
+    backbone, dim = build_backbone(**architecture)
+    if weights:
+        backbone.load_state_dict(state, strict=True)
+    return backbone, dim
+
+
+def load_weights(backbone: nn.Module, source: str | Path, arg: str = "model.ckpt_path") -> None:
+    """Loads into ``backbone`` (a module of the user's own) the weights of ``source``: a checkpoint of pretraining
+    (its ``backbone.*`` entries), or a plain state dict of the backbone (keys with or without ``backbone.``)."""
+    obj = read_checkpoint(source, expect="either", arg=arg)
+    state = obj.get("state_dict", obj)
+    prefixed = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
+    backbone.load_state_dict(prefixed if prefixed else state, strict=True)
+
+
+def choose_encoder(
+    backbone: Any, source: Optional[str], arg: str, weights: bool, feature_dim: Optional[int], **architecture: Any
+) -> tuple[nn.Module, int]:
+    """The encoder an evaluation trains on, and its feature size: ``backbone`` (a module, or a name built with
+    ``architecture``: :func:`moco_lightning.backbones.build_backbone`'s arguments) with the weights of ``source``
+    when given and ``weights``; without ``backbone``, the encoder of ``source`` (:func:`load_encoder`)."""
+    if backbone is None:
+        if source is None:
+            raise ConfigError(
+                "LinearClassifier needs a backbone: set model.ckpt_path (a checkpoint of pretraining) or "
+                "model.backbone_state_dict (a file `moco-lightning export` wrote), or model.backbone"
+            )
+        return load_encoder(source, weights=weights, arg=arg)
+    if isinstance(backbone, nn.Module) and feature_dim is not None:
+        module, dim = backbone, feature_dim
+    else:
+        warn_cifar_stem(architecture.get("cifar_stem", False), "LinearClassifier")
+        module, dim = build_backbone(backbone, **architecture)
+    if source is not None and weights:
+        load_weights(module, source, arg)
+    return module, dim

@@ -1,0 +1,46 @@
+"""One encoder loader for linear evaluation, evaluate and export: a checkpoint and its export give the same weights,
+from scratch the same architecture with other weights, and every wrong file is one line naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FIXTURE_CKPT, tiny_backbone
+
+from moco_lightning.encoder import choose_encoder, load_encoder, load_weights
+from moco_lightning.errors import ConfigError
+from moco_lightning.export import export_backbone
+
+
+def test_a_checkpoint_and_its_export_give_the_same_encoder_and_scratch_other_weights(tmp_path):
+    from_ckpt, dim = load_encoder(FIXTURE_CKPT)
+    export_backbone(FIXTURE_CKPT, tmp_path / "b.pt")
+    from_export, dim2 = load_encoder(tmp_path / "b.pt", expect="export")
+    saved = torch.load(FIXTURE_CKPT, weights_only=True)["state_dict"]
+    assert dim == dim2
+    for name, value in from_ckpt.state_dict().items():
+        assert torch.equal(value, saved[f"backbone.{name}"]) and torch.equal(value, from_export.state_dict()[name])
+    scratch, _ = load_encoder(FIXTURE_CKPT, weights=False)
+    assert scratch.state_dict().keys() == from_ckpt.state_dict().keys()
+    assert not torch.equal(scratch.state_dict()["conv1.weight"], from_ckpt.state_dict()["conv1.weight"])
+    with pytest.raises(ConfigError, match=r"--ckpt .*MoCo.ckpt: not an exported backbone.*export it first"):
+        load_encoder(FIXTURE_CKPT, expect="export", arg="--ckpt")
+
+
+def test_a_module_of_ones_own_takes_the_files_weights_and_a_nameless_checkpoint_says_what_to_do(tmp_path, seeded):
+    from conftest import cpu_trainer, tiny_data, tiny_moco
+
+    model = tiny_moco()
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    trainer.save_checkpoint(tmp_path / "own.ckpt")
+    with pytest.raises(ConfigError, match="does not name its backbone .* pass that module as `backbone`"):
+        load_encoder(tmp_path / "own.ckpt")
+    mine = tiny_backbone()
+    load_weights(mine, tmp_path / "own.ckpt")
+    for name, value in mine.state_dict().items():
+        assert torch.equal(value, model.backbone.state_dict()[name])
+    chosen, dim = choose_encoder(tiny_backbone(), str(tmp_path / "own.ckpt"), "model.ckpt_path", True, 16)
+    assert dim == 16 and torch.equal(chosen.state_dict()["0.weight"], model.backbone.state_dict()["0.weight"])
+    with pytest.raises(ConfigError, match="LinearClassifier needs a backbone"):
+        choose_encoder(None, None, "model.ckpt_path", True, None)
