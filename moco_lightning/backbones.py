@@ -7,7 +7,6 @@ convolution and no max-pool, for ResNets), and grayscale images a one-channel fi
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
@@ -62,16 +61,6 @@ STEMS = {
     "cifar": "the official MoCo CIFAR demo's 3x3 convolution at stride 1, no max-pool: 28x28 maps (~16x the compute)",
     "cifar_stride2": "a 3x3 convolution at stride 2, no max-pool: 14x14 maps at 28 px (~4x imagenet's compute)",
 }
-
-
-def warn_cifar_stem(cifar_stem: bool, who: str) -> None:
-    """``cifar_stem=True``, the older spelling of ``stem="cifar"``: a warning, for the one release it still works."""
-    if cifar_stem:
-        warnings.warn(
-            f"{who}: cifar_stem=True is deprecated and goes in moco-lightning 0.4: use stem='cifar' (the same stem)",
-            FutureWarning,
-            stacklevel=3,
-        )
 
 
 def resolve_stem(stem: Optional[str], cifar_stem: bool = False) -> str:

@@ -24,10 +24,11 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from . import _lightning, plan, run_state
-from .backbones import build_backbone, is_backbone_spec, warn_cifar_stem
+from .backbones import build_backbone, is_backbone_spec
 from .batches import is_views_batch, split_views
 from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
+from .compat import warn_cifar_stem
 from .continuity import Continuing
 from .distributed import concat_all_gather, equal_batches, world_size
 from .errors import check_arguments

@@ -4,7 +4,8 @@
   to today's classes (format 3 named the dictionary ``queue`` / ``memory_bank`` in the state dict, now
   ``dictionary``); :func:`rng_states_per_rank` reads format 1's RNG states (rank 0's alone);
   :func:`format2_momentum_copy` finds the momentum copy format 2 did not record;
-- ``cifar_stem: true`` in the hyper-parameters (deprecated in 0.3): :func:`stem_of_cifar_stem`;
+- ``cifar_stem`` (deprecated in 0.3): :func:`warn_cifar_stem` for a new module, :func:`stem_of_cifar_stem` for the
+  hyper-parameters of a checkpoint;
 - the datamodules' augmentation state of 0.1.0 (rank 0's generator state alone): :func:`augment_states_per_rank`.
 """
 
@@ -64,6 +65,16 @@ def upgrade(checkpoint: dict, cls: type) -> None:
     if "dictionary.keys" in state and state["dictionary.keys"].numel() == 0:  # a queue-free dictionary's empty queue
         for name in ("dictionary.keys", "dictionary.ptr", "dictionary.enqueued_at"):
             state.pop(name, None)
+
+
+def warn_cifar_stem(cifar_stem: bool, who: str) -> None:
+    """``cifar_stem=True``, the older spelling of ``stem="cifar"``: a warning, for the one release it still works."""
+    if cifar_stem:
+        warnings.warn(
+            f"{who}: cifar_stem=True is deprecated and goes in moco-lightning 0.4: use stem='cifar' (the same stem)",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 def stem_of_cifar_stem(hparams: dict) -> None:

@@ -16,9 +16,9 @@ from typing import Any, Literal, Optional
 import torch
 from torch import nn
 
-from .backbones import build_backbone, is_backbone_spec, warn_cifar_stem
+from .backbones import build_backbone, is_backbone_spec
 from .checkpoint_io import read_checkpoint
-from .compat import format2_momentum_copy
+from .compat import format2_momentum_copy, warn_cifar_stem
 from .errors import ConfigError
 
 ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments

@@ -27,7 +27,7 @@ def test_evaluate_prints_the_table_and_writes_its_files(tmp_path, capsys):
 
 
 def test_the_validation_split_is_the_held_out_end_of_the_training_split(tmp_path):
-    from moco_lightning.evaluate import datamodule_of
+    from moco_lightning.cli.evaluate import datamodule_of
 
     test, val = datamodule_of(None, "test", fast=True), datamodule_of(None, "val", fast=True)
     for dm in (test, val):

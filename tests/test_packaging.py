@@ -127,3 +127,25 @@ def test_no_module_imports_a_module_that_imports_it_back():
     assert len(graph) > 40
     cycles = sorted(m for m in graph if m in reaches(m))
     assert not cycles, {m: sorted(graph[m] & {n for n in cycles if m in reaches(n)}) for m in cycles}
+
+
+def test_the_core_is_small_files_with_one_pretraining_step():
+    """No file of moco_lightning/ over 300 lines; one ``training_step`` for every pretraining method
+    (``Pretraining``'s) beside the supervised one of ``LinearClassifier``; no method class defines
+    ``validation_step`` or the after-step work of its own."""
+    import ast
+
+    long = {p.name: n for p in (ROOT / "moco_lightning").rglob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, long
+    defined: dict = {}
+    for path in (ROOT / "moco_lightning").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            declared = isinstance(node, ast.FunctionDef) and ast.unparse(node.body[-1]) == "..."  # a Protocol's
+            if isinstance(node, ast.FunctionDef) and node.name in ("training_step", "validation_step", "finish_step"):
+                if not declared:
+                    defined.setdefault(node.name, set()).add(path.name)
+    assert defined == {
+        "training_step": {"base.py", "linear_eval.py"},
+        "validation_step": {"base.py", "linear_eval.py"},
+        "finish_step": {"base.py"},
+    }

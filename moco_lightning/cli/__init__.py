@@ -28,7 +28,6 @@ import sys
 from typing import Optional
 
 from .app import (
-    CLI_HELP,
     REFUSED,
     SUBCOMMANDS,
     MoCoCLI,
@@ -38,7 +37,7 @@ from .app import (
     make_cli,
     run_cli,
 )
-from .messages import bad_choice, condense_parser_error, known_classes, missing_argument, yaml_error
+from .messages import CLI_HELP, bad_choice, condense_parser_error, known_classes, missing_argument, yaml_error
 from .resume import check_checkpoint_class, newest_readable, resolve_last_checkpoint
 
 __all__ = [
@@ -70,7 +69,7 @@ def main(args: Optional[list[str]] = None) -> None:
 
         return export_main(argv[1:])
     if argv[:1] == ["evaluate"]:
-        from ..evaluate import main as evaluate_main
+        from .evaluate import main as evaluate_main
 
         return evaluate_main(argv[1:])
     if argv[:1] == ["linear"]:

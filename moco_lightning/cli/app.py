@@ -19,7 +19,7 @@ from ..compat import stem_of_cifar_stem, upgrade
 from ..errors import BadInputError, ConfigError
 from ..moco import MoCo
 from ..precision import AutoPrecisionTrainer
-from .messages import bad_choice, condense_parser_error, missing_argument, yaml_error
+from .messages import CLI_HELP, HelpFormatter, bad_choice, condense_parser_error, missing_argument, yaml_error
 from .resume import check_checkpoint_class, resolve_last_checkpoint
 
 
@@ -218,32 +218,6 @@ REFUSED = {  # subcommands Lightning offers that have nothing to run here: one l
     "(predict_step returns backbone features); for class predictions use linear_eval's classifier in Python",
 }
 
-CLI_HELP = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR, BYOL, SwAV) with Lightning.
-
-  moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
-  moco-lightning fit --config ... --ckpt_path last              resume the newest run
-  moco-lightning export --ckpt last.ckpt --out backbone.pt      the backbone as a state dict (export --help)
-  moco-lightning evaluate --ckpt last.ckpt                      kNN, linear, 1 % / 10 % labels (evaluate --help)
-  moco-lightning linear fit --config configs/linear_eval.yaml --model.ckpt_path last.ckpt
-                                      linear evaluation (the same: python -m moco_lightning.linear_eval fit ...)
-"""
-
-
-def _help_formatter() -> type:
-    import argparse
-
-    from jsonargparse import DefaultHelpFormatter
-
-    class HelpFormatter(DefaultHelpFormatter):
-        """jsonargparse's, keeping the description's line breaks (its examples)."""
-
-        _fill_text = argparse.RawDescriptionHelpFormatter._fill_text
-
-    return HelpFormatter
-
-
-_HelpFormatter = _help_formatter()
-
 
 def end_process_group() -> None:
     """Destroys a DDP process group before the interpreter shuts down: a gloo group left to the interpreter's
@@ -280,7 +254,7 @@ def run_cli(
             parser_kwargs={
                 **no_exit,
                 "description": CLI_HELP if default_model is MoCo else None,
-                "formatter_class": _HelpFormatter,
+                "formatter_class": HelpFormatter,
                 "prog": prog,
                 **{name: no_exit for name in SUBCOMMANDS},
             },

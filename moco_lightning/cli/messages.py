@@ -133,3 +133,30 @@ def _closest(name: str, class_path: Optional[str]) -> str:
     names = {p for c in cls.__mro__ if "__init__" in vars(c) for p in inspect.signature(c.__init__).parameters}
     close = difflib.get_close_matches(name, sorted(names - {"self", "args", "kwargs"}), n=3)
     return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+CLI_HELP = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR, BYOL, SwAV) with Lightning.
+
+  moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
+  moco-lightning fit --config ... --ckpt_path last              resume the newest run
+  moco-lightning export --ckpt last.ckpt --out backbone.pt      the backbone as a state dict (export --help)
+  moco-lightning evaluate --ckpt last.ckpt                      kNN, linear, 1 % / 10 % labels (evaluate --help)
+  moco-lightning linear fit --config configs/linear_eval.yaml --model.ckpt_path last.ckpt
+                                      linear evaluation (the same: python -m moco_lightning.linear_eval fit ...)
+"""
+
+
+def _help_formatter() -> type:
+    import argparse
+
+    from jsonargparse import DefaultHelpFormatter
+
+    class HelpFormatter(DefaultHelpFormatter):
+        """jsonargparse's, keeping the description's line breaks (its examples)."""
+
+        _fill_text = argparse.RawDescriptionHelpFormatter._fill_text
+
+    return HelpFormatter
+
+
+HelpFormatter = _help_formatter()  # the command line's help: jsonargparse's, keeping line breaks
