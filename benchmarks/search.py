@@ -26,13 +26,9 @@ the last 10 000 images), and is judged on that held-out end:
 - **budget** (``--budget-qe B``): every trial gets the same training time, B QE, instead of the same epochs: its step
   and the QE config's are timed in turn, ``--timing-rounds`` times (``--timing-steps`` steps each), and it trains for
   ``B x 468 / ratio`` steps (468: the QE config's steps in one epoch), the ratio being the median of the rounds'
-  (cosine schedules over those steps): a symmetric loss or a larger stem costs more per step and gets fewer steps.
-  One timing of a few steps is noisy on a shared 2-core VM (the same config timed 141-240 ms a step within two
-  minutes). Planned 6-8 times in a row (``--plan-check``, ``results/search_plan_check.txt``), a 28-QE budget spread
-  1.20x, 1.42x (8 steps a timing) and 1.18x (24 steps) from the median ratio, against 1.68x, 1.52x and 1.35x from one
-  step timing over a unit timed once (the planning before; same timings). A ratio does not depend on the machine's
-  overall speed that session, where a unit in seconds timed once does. Without ``--budget-qe`` a trial trains for the
-  last rung's epochs, whatever they cost;
+  (cosine schedules over those steps): a symmetric loss or a larger stem costs more per step and gets fewer steps
+  (why a median of ratios: benchmarks/README.md, "Planning a budget"). Without ``--budget-qe`` a trial trains for
+  the last rung's epochs, whatever they cost;
 - **precision** (``--precision``, default ``auto``: :func:`moco_lightning.auto_precision`, bf16 where this machine
   runs it natively) for the QE timing and every trial alike.
 

@@ -21,15 +21,8 @@ Two ways to draw the training views (``augment_on``), same distributions:
   the bytes (uint8, not float32).
 - ``"auto"`` (default): ``"device"`` when CUDA is available, else ``"workers"``.
 
-Measured (``benchmarks/data_throughput.py --threads 1``, 500x375 JPEGs, 224-px views, moco_v2 preset,
-a shared 2-core CPU): a worker spends 25.2 ms per image on the ``"workers"`` path (decode 1.9 ms +
-two lightly views) and 6.5 ms on the ``"device"`` path (decode + two crops): 3.9x more images per
-worker core once a GPU does the batched part. Without a GPU the batched part runs in the training
-process (24.7 ms per image on the CPU), serially with the model, and ``"workers"`` was faster (64 vs
-53-57 views/s with 0-2 workers): hence ``"auto"``. A third design, decoding and resizing the whole
-image to a fixed square in the workers and cropping on the device (4.7 ms per image in the worker),
-was not adopted: it squashes each image's aspect ratio before the crop's own aspect jitter and cuts
-small crops from a 256-px copy instead of the full-resolution image.
+Why ``"auto"`` picks ``"workers"`` without a GPU, with the measurements: benchmarks/README.md, "Image folders:
+where the views are drawn".
 
 Both are deterministic (every image's randomness comes from ``(seed, epoch, index)``), so the views do not
 depend on ``num_workers`` and a resumed run sees the same views as an uninterrupted one. Multi-crop

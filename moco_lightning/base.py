@@ -50,7 +50,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         image_size: input side, used only to find the feature size of models that need it.
         width: torchvision ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).
         channels_last: keep the encoders and their inputs in channels-last memory format (faster convolutions on
-            CPUs and tensor cores; measured +50 % for a narrow ResNet-18 on 2 CPU cores).
+            CPUs and tensor cores: benchmarks/README.md).
         lr: learning rate per 256 images; the optimizer uses lr × global batch / 256.
         optimizer: ``"sgd"``, ``"lars"`` (MoCo v3's rule: parameters with ndim <= 1, i.e. norms and biases, get no
             adaptation and no weight decay, whatever ``decay_norm_bias`` says) or ``"adamw"``.
