@@ -19,7 +19,7 @@ no key encoder, no state of the module is touched.
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -75,71 +75,51 @@ def knn_counts(
     temperature: float = 0.1,
     chunk_size: int = 256,
     topk: Sequence[int] = (1, 5),
+    sharded: bool = False,
 ) -> Tensor:
-    """Counts of correct weighted-kNN predictions on this process: ``[correct@k for k in topk] + [total]``.
+    """Counts of correct weighted-kNN predictions: ``[correct@k for k in topk] + [total]``.
 
-    ``features`` (N, D) and ``bank`` (M, D) must be L2-normalised (similarity = dot product).
-    ``k`` is clipped to the bank size and each ``topk`` to ``num_classes``. Queries are classified
-    ``chunk_size`` at a time, so memory is O(chunk_size * (M + num_classes)).
+    ``features`` (N, D) and ``bank`` (M, D) must be L2-normalised (similarity = dot product). ``k`` is clipped to
+    the bank size and each ``topk`` to ``num_classes``. Queries are classified ``chunk_size`` at a time, so memory
+    is O(chunk_size * (M + num_classes)).
+
+    ``sharded`` (a collective under DDP): the bank is split over the ranks, each holding its own share (never
+    gathered: an ImageNet bank of 1.28M x 2048 fp32 features is 10.5 GB, and a gather would put all of it on every
+    device) and its own queries. The queries of all ranks are gathered (small next to the bank); for each chunk
+    every rank finds the ``k`` most similar rows of its shard, the ranks exchange these (chunk x k similarities and
+    labels), and the merged top ``k`` over all shards is exactly the single-process neighbourhood. The counts are
+    over all queries, the same on every rank.
     """
-    if bank.shape[0] == 0:
+    if sharded:
+        features, targets = concat_all_gather(features), concat_all_gather(targets.to(features.device).long())
+    size = torch.tensor([bank.shape[0]], device=bank.device)
+    n_bank = int(sum_across_ranks(size)) if sharded else bank.shape[0]
+    if n_bank == 0:
         raise ConfigError("the kNN feature bank is empty: the bank loader gave no samples")
-    k = min(k, bank.shape[0])
+    k = min(k, n_bank)
+    local_k = min(k, bank.shape[0])
     bank_targets = bank_targets.to(bank.device).long()
     correct = torch.zeros(len(topk), dtype=torch.long, device=bank.device)
     for start in range(0, features.shape[0], chunk_size):
         f = features[start : start + chunk_size].to(bank.device, bank.dtype)
         y = targets[start : start + chunk_size].to(bank.device).long()
-        correct += _correct(knn_scores(f, bank, bank_targets, num_classes, k, temperature), y, num_classes, topk)
+        sim = torch.full((f.shape[0], k), float("-inf"), device=f.device)
+        labels = torch.zeros((f.shape[0], k), dtype=torch.long, device=f.device)
+        if local_k:
+            s, idx = (f @ bank.t()).topk(local_k, dim=1)
+            sim[:, :local_k], labels[:, :local_k] = s.float(), bank_targets[idx]
+        if sharded and world_size() > 1:  # (world x chunk, k) -> (chunk, world * k): every shard's candidates
+            sim, labels = _all_candidates(sim), _all_candidates(labels)
+            sim, best = sim.topk(k, dim=1)
+            labels = labels.gather(1, best)
+        correct += _correct(_vote(sim, labels, num_classes, temperature), y, num_classes, topk)
     total = torch.tensor([features.shape[0]], dtype=torch.long, device=bank.device)
     return torch.cat([correct, total])
 
 
-@torch.no_grad()
-def sharded_knn_counts(
-    features: Tensor,
-    targets: Tensor,
-    bank_shard: Tensor,
-    bank_shard_targets: Tensor,
-    num_classes: int,
-    k: int = 200,
-    temperature: float = 0.1,
-    chunk_size: int = 256,
-    topk: Sequence[int] = (1, 5),
-) -> Tensor:
-    """:func:`knn_counts` with the bank split over the ranks: ``[correct@k ...] + [total]`` over *all* queries.
-
-    Every rank holds its own share of the bank (never gathered: an ImageNet bank of 1.28M x 2048 fp32 features is
-    10.5 GB, and a gather would put all of it on every device) and its own queries. The queries of all ranks are
-    gathered (small next to the bank); for each chunk every rank finds the ``k`` most similar rows of its shard,
-    the ranks exchange these (chunk x k similarities and labels), and the merged top ``k`` over all shards is
-    exactly the single-process neighbourhood. The counts are the same on every rank.
-    """
-    queries, query_targets = concat_all_gather(features), concat_all_gather(targets.to(features.device).long())
-    bank_size = sum_across_ranks(torch.tensor([bank_shard.shape[0]], device=bank_shard.device))
-    n_bank = int(bank_size)
-    if n_bank == 0:
-        raise ConfigError("the kNN feature bank is empty: the bank loader gave no samples")
-    k = min(k, n_bank)
-    local_k = min(k, bank_shard.shape[0])
-    bank_shard_targets = bank_shard_targets.to(bank_shard.device).long()
-    correct = torch.zeros(len(topk), dtype=torch.long, device=bank_shard.device)
-    for start in range(0, queries.shape[0], chunk_size):
-        f = queries[start : start + chunk_size].to(bank_shard.device, bank_shard.dtype)
-        y = query_targets[start : start + chunk_size].to(bank_shard.device)
-        sim = torch.full((f.shape[0], k), float("-inf"), device=f.device)
-        labels = torch.zeros((f.shape[0], k), dtype=torch.long, device=f.device)
-        if local_k:
-            s, idx = (f @ bank_shard.t()).topk(local_k, dim=1)
-            sim[:, :local_k], labels[:, :local_k] = s.float(), bank_shard_targets[idx]
-        if world_size() > 1:  # (world x chunk, k) -> (chunk, world * k): every shard's candidates per query
-            sim = _all_candidates(sim)
-            labels = _all_candidates(labels)
-            sim, best = sim.topk(k, dim=1)
-            labels = labels.gather(1, best)
-        correct += _correct(_vote(sim, labels, num_classes, temperature), y, num_classes, topk)
-    total = torch.tensor([queries.shape[0]], dtype=torch.long, device=bank_shard.device)
-    return torch.cat([correct, total])
+def sharded_knn_counts(*args: Any, **kwargs: Any) -> Tensor:
+    """:func:`knn_counts` with the bank split over the ranks (``sharded=True``)."""
+    return knn_counts(*args, sharded=True, **kwargs)
 
 
 def _all_candidates(x: Tensor) -> Tensor:

@@ -83,20 +83,7 @@ def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
             "shuffle_bn='off' (no protection against the BatchNorm shortcut) or 'ddp' on several devices"
         )
     if type(module) is nn.BatchNorm2d:
-        split = SplitBatchNorm2d(
-            module.num_features,
-            num_splits,
-            eps=module.eps,
-            momentum=module.momentum,
-            affine=module.affine,
-            track_running_stats=module.track_running_stats,
-        )
-        split.load_state_dict(module.state_dict())
-        split.train(module.training)
-        if module.affine:
-            split.weight.requires_grad_(module.weight.requires_grad)
-            split.bias.requires_grad_(module.bias.requires_grad)
-        return split.to(module.weight.device if module.affine else next(iter(module.buffers())).device)
+        return _with_state_of(module, SplitBatchNorm2d(module.num_features, num_splits, **_settings(module)))
     for name, child in module.named_children():
         setattr(module, name, convert_split_bn(child, num_splits))
     return module
@@ -105,19 +92,7 @@ def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
 def revert_split_bn(module: nn.Module) -> nn.Module:
     """The inverse of :func:`convert_split_bn`: every SplitBatchNorm2d back to a BatchNorm2d with the same state."""
     if isinstance(module, SplitBatchNorm2d):
-        plain = nn.BatchNorm2d(
-            module.num_features,
-            eps=module.eps,
-            momentum=module.momentum,
-            affine=module.affine,
-            track_running_stats=module.track_running_stats,
-        )
-        plain.load_state_dict(module.state_dict())
-        plain.train(module.training)
-        if module.affine:
-            plain.weight.requires_grad_(module.weight.requires_grad)
-            plain.bias.requires_grad_(module.bias.requires_grad)
-        return plain.to(module.weight.device if module.affine else next(iter(module.buffers())).device)
+        return _with_state_of(module, nn.BatchNorm2d(module.num_features, **_settings(module)))
     for name, child in module.named_children():
         setattr(module, name, revert_split_bn(child))
     return module
@@ -156,3 +131,17 @@ def check_bn_splits(bn_splits: int, per_device: int) -> None:
             f"{per_device // bn_splits}: BatchNorm needs at least 2 images per sub-batch; set model.bn_splits to at "
             f"most {max(1, per_device // 2)} or raise data.batch_size"
         )
+
+
+def _settings(bn: nn.BatchNorm2d) -> dict:
+    return dict(eps=bn.eps, momentum=bn.momentum, affine=bn.affine, track_running_stats=bn.track_running_stats)
+
+
+def _with_state_of(old: nn.BatchNorm2d, new: nn.BatchNorm2d) -> nn.BatchNorm2d:
+    """``new`` with ``old``'s statistics, weights, mode, frozen parameters and device."""
+    new.load_state_dict(old.state_dict())
+    new.train(old.training)
+    if old.affine:
+        new.weight.requires_grad_(old.weight.requires_grad)
+        new.bias.requires_grad_(old.bias.requires_grad)
+    return new.to(old.weight.device if old.affine else next(iter(old.buffers())).device)

@@ -110,7 +110,7 @@ def test_cifar_stem_is_the_old_spelling_of_stem_cifar_and_a_contradiction_is_ref
 
 def test_the_stem_travels_with_exports_and_from_scratch_baselines(tmp_path):
     """An export records the stem, load_backbone rebuilds it; linear evaluation from scratch rebuilds the same stem."""
-    from conftest import tiny_data
+    from helpers.data import tiny_data
     from lightning.pytorch import Trainer
 
     from moco_lightning import MoCo, load_backbone
@@ -135,7 +135,7 @@ def test_cifar_stem_is_the_deprecated_spelling_of_stem_cifar_and_old_checkpoints
     checkpoint that recorded it (format 2, moco-lightning 0.2) reloads as ``stem="cifar"`` without the warning."""
     import warnings
 
-    from conftest import FIXTURE_CKPT
+    from helpers.data import FIXTURE_CKPT
 
     from moco_lightning import MoCo
 

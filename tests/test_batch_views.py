@@ -256,7 +256,7 @@ def test_every_tensor_of_the_views_follows_the_batch_device(preset):
 def test_in_memory_datamodule_makes_views_on_the_batch_device():
     from types import SimpleNamespace
 
-    from conftest import tiny_data
+    from helpers.data import tiny_data
 
     dm = tiny_data()
     dm.trainer = SimpleNamespace(training=True, validating=False, sanity_checking=False, global_rank=0)

@@ -3,10 +3,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_trainer, tiny_data
+from helpers.data import tiny_data
+from helpers.models import tiny
+from helpers.resume import assert_resumes_bit_equal
+from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from method_toys import assert_resumes_bit_equal, tiny
 
 from moco_lightning import BYOL
 from moco_lightning.loss import normalized_mse

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.cli import in_process
 
 from moco_lightning import MoCo, Pretraining, load_backbone
 from moco_lightning.checkpoint_io import ALLOW_PICKLE, read_checkpoint
@@ -111,7 +112,8 @@ def test_the_cli_fit_validate_and_linear_eval_refuse_it(evil, tmp_path, monkeypa
 def test_the_trainer_reads_ckpt_path_weights_only_even_when_asked_for_pickle(evil, tmp_path):
     """Python users' Trainer.fit(ckpt_path=...): the module makes the Trainer read through the safe reader, whatever
     weights_only the call passes (Lightning's own default is full pickle)."""
-    from conftest import cpu_trainer, tiny_data
+    from helpers.data import tiny_data
+    from helpers.trainers import cpu_trainer
 
     ckpt, _, marker = evil
     model = MoCo(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, cifar_stem=True, hidden_dim=16,
@@ -138,7 +140,7 @@ def test_ckpt_path_last_skips_a_refused_newest_checkpoint_saying_why(evil, tmp_p
               "init_args": dict(batch_size=16, train_subset=64, val_subset=16)},
     )  # fmt: skip
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
-    cli = run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "last"], default_model=MoCo)
+    cli = in_process(*["fit", "--config", "cfg.yaml", "--ckpt_path", "last"])
     err = capsys.readouterr().err
     assert "last.ckpt could not be used (refused: loading it needs pickle" in err and "resuming" in err
     assert cli.trainer.global_step == 3 and not marker.exists()
@@ -217,7 +219,7 @@ def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, m
         config.write_text(LOGGED_RUN.format(steps=steps, logger=cls[logger], root=root))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            run_cli(Pretraining, ["fit", "--config", str(config), *extra], default_model=MoCo)
+            in_process(*["fit", "--config", str(config), *extra])
 
     fit(tmp_path / "straight", 8)
     fit(tmp_path / "stopped", 7)
@@ -232,7 +234,9 @@ def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, m
 def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
     """``Trainer.fit(MoCo(...), ckpt_path=<a SimCLR checkpoint>)`` written from Python (no CLI class path in its
     hyper-parameters): one line naming both classes, as the CLI gives, not torch's list of missing keys."""
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning import SimCLR
 
@@ -253,7 +257,9 @@ def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
 def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(method, tmp_path):
     """A checkpoint every 3 steps (or every few minutes) of a 8-step run: Lightning's last.ckpt held step 6; the
     run's last step is saved too."""
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import moco_lightning
@@ -273,7 +279,9 @@ def test_the_last_step_of_a_run_is_in_last_ckpt_whatever_the_saving_interval(met
 @pytest.mark.parametrize("cls,old", [("MoCo", "queue."), ("MemoryBankMoCo", "memory_bank.")])
 def test_a_format_3_checkpoint_with_the_dictionary_under_its_old_name_reloads_and_resumes(cls, old, tmp_path, seeded):
     """Format 3 (main before the one step protocol) saved the dictionary as ``queue`` / ``memory_bank``."""
-    from conftest import cpu_trainer, tiny_backbone, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_backbone, tiny_moco
+    from helpers.trainers import cpu_trainer
 
     import moco_lightning
 

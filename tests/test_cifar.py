@@ -2,11 +2,12 @@
 
 import pickle
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from helpers.data import training
+from helpers.files import write_cifar10, write_cifar100
 
 from moco_lightning.datamodules import CIFAR10DataModule, CIFAR100DataModule
 from moco_lightning.datamodules.cifar import read_cifar_pickle
@@ -15,47 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def write_cifar10(root: Path, n=24, bytes_keys=False):
-    """The python version's files: data_batch_1..5 and test_batch (dict: data (N, 3072) uint8 R|G|B planes, labels)."""
-    folder = root / "cifar-10-batches-py"
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    written = {}
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
-        labels = [int(v) for v in rng.integers(0, 10, n)]
-        entry = {"batch_label": name, "data": data, "labels": labels, "filenames": [f"{i}.png" for i in range(n)]}
-        if bytes_keys:  # how Python 2 pickles read back without an encoding
-            entry = {k.encode(): v for k, v in entry.items()}
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f, protocol=2)
-        written[name] = (data, labels)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
-    return written
-
-
-def write_cifar100(root: Path, n=40):
-    folder = root / "cifar-100-python"
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(1)
-    for name in ("train", "test"):
-        fine = [int(v) for v in rng.integers(0, 100, n)]
-        fine[0] = 99
-        entry = {
-            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-            "fine_labels": fine,
-            "coarse_labels": [v // 5 for v in fine],
-        }
-        with open(folder / name, "wb") as f:
-            pickle.dump(entry, f)
-
-
-def training(dm):
-    dm.trainer = SimpleNamespace(training=True, validating=False, sanity_checking=False, global_rank=0)
-    return dm
 
 
 @pytest.mark.parametrize("bytes_keys", [False, True])
@@ -187,7 +147,8 @@ def test_batch_larger_than_the_data_is_a_clear_error(tmp_path):
 
 
 def test_trains_moco_for_two_steps(tmp_path):
-    from conftest import cpu_trainer, tiny_backbone, tiny_moco
+    from helpers.models import tiny_backbone, tiny_moco
+    from helpers.trainers import cpu_trainer
 
     write_cifar10(tmp_path)
     dm = CIFAR10DataModule(str(tmp_path), batch_size=16, val_subset=16)

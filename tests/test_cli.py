@@ -1,30 +1,18 @@
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import cli_main, in_process, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(args, cwd, timeout=240, env=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def fit_in_process(*args: str):
-    """``moco-lightning fit *args`` in this process (the CLI of the command line, without 10 s of imports)."""
-    from moco_lightning import MoCo, Pretraining
-    from moco_lightning.cli import run_cli
-
-    return run_cli(Pretraining, ["fit", *args], default_model=MoCo)
-
-
 def test_quickstart_config_runs_offline_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = fit_in_process(
+    cli = in_process(
+        "fit",
         "--config",
         str(ROOT / "configs" / "quickstart.yaml"),
         "--trainer.fast_dev_run=2",
@@ -56,7 +44,8 @@ def test_python_dash_m_entry_point_prints_the_config(tmp_path):
 def test_swav_with_multi_crop_trains_through_the_cli(tmp_path, monkeypatch):
     """Another method from its shipped config (its class_path), with local views (the matrix has two views)."""
     monkeypatch.chdir(tmp_path)
-    cli = fit_in_process(
+    cli = in_process(
+        "fit",
         "--config",
         str(ROOT / "configs" / "swav_fashion_mnist.yaml"),
         "--data.init_args.local_views=2",
@@ -72,7 +61,8 @@ def test_swav_with_multi_crop_trains_through_the_cli(tmp_path, monkeypatch):
 
 def test_a_timm_backbone_trains_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = fit_in_process(
+    cli = in_process(
+        "fit",
         "--config",
         str(ROOT / "configs" / "quickstart.yaml"),
         "--model.backbone=timm:resnet10t",
@@ -174,17 +164,6 @@ def test_resume_with_other_model_settings_errors_or_warns_naming_each(tmp_path):
     assert "these configured values are ignored: temperature: config 0.5, checkpoint 0.2" in other.stderr
 
 
-def cli_main(*args: str) -> int:
-    """``moco-lightning *args`` in this process (a subprocess costs ~10 s of imports here); its exit code."""
-    from moco_lightning.cli import main
-
-    try:
-        main(list(args))
-    except SystemExit as e:
-        return e.code
-    return 0
-
-
 def test_bad_settings_end_with_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     quickstart = ("fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.temperature=-1")
@@ -208,20 +187,16 @@ def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path
     checkpoint naming both; an explicit path to a bad file is one line naming it, exit code 2."""
     import torch
 
-    from moco_lightning import MoCo, Pretraining
-    from moco_lightning.cli import run_cli
-
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 3"))
-    run_cli(Pretraining, ["fit", "--config", "cfg.yaml"], default_model=MoCo)
+    in_process(*["fit", "--config", "cfg.yaml"])
     folder = tmp_path / "runs/tiny/version_0/checkpoints"
     last, good = folder / "last.ckpt", next(folder.glob("*step=3.ckpt"))
     data = last.read_bytes()
     last.write_bytes(data[: len(data) // 2])  # torn
     os.utime(last, (good.stat().st_mtime + 5,) * 2)
     capsys.readouterr()
-    cli = run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "4"],
-                  default_model=MoCo)  # fmt: skip
+    cli = in_process(*["fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "4"])  # fmt: skip
     err = capsys.readouterr().err
     assert "last.ckpt could not be used (not a readable checkpoint); resuming" in err and good.name in err
     assert cli.trainer.global_step == 4
@@ -233,19 +208,19 @@ def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path
     ):
         bad.write_bytes(content)
         with pytest.raises(SystemExit) as exit_:
-            run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", str(bad)], default_model=MoCo)
+            in_process(*["fit", "--config", "cfg.yaml", "--ckpt_path", str(bad)])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 2
         assert f"--ckpt_path {bad}: {said}" in err
     with pytest.raises(SystemExit):
-        run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "missing.ckpt"], default_model=MoCo)
+        in_process(*["fit", "--config", "cfg.yaml", "--ckpt_path", "missing.ckpt"])
     assert "--ckpt_path missing.ckpt: no such file" in capsys.readouterr().err
     # a checkpoint of another method: an error naming both classes (it used to switch the method silently)
     ckpt = torch.load(good, weights_only=True)
     ckpt["hyper_parameters"]["_class_path"] = "moco_lightning.SimCLR"
     torch.save(ckpt, tmp_path / "simclr.ckpt")
     with pytest.raises(SystemExit):
-        run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--ckpt_path", "simclr.ckpt"], default_model=MoCo)
+        in_process(*["fit", "--config", "cfg.yaml", "--ckpt_path", "simclr.ckpt"])
     err = capsys.readouterr().err
     assert re.search(
         r"the checkpoint is a moco_lightning.SimCLR run, the config trains moco_lightning[.\w]*\.MoCo;", err
@@ -259,7 +234,7 @@ def test_optimizer_flags_are_refused_and_no_logger_prints_no_tensorboard_line(tm
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 1"))
     with pytest.raises(SystemExit):
-        run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--optimizer", "torch.optim.Adam"], default_model=MoCo)
+        in_process(*["fit", "--config", "cfg.yaml", "--optimizer", "torch.optim.Adam"])
     assert "--optimizer replaces the module's own optimizer" in capsys.readouterr().err
     run_cli(Pretraining, ["fit", "--config", "cfg.yaml", "--trainer.logger=false", "--trainer.callbacks=[]"],
             default_model=MoCo)  # fmt: skip
@@ -317,7 +292,9 @@ def test_help_names_every_command_export_included(capsys):
 def test_final_metrics_say_when_a_knn_number_was_measured(seeded):
     """every_n_epochs 2 in a 1-epoch run: val/knn_acc1 is the random-init baseline; the table says so."""
     import torch
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning.callbacks import KNNMonitor
     from moco_lightning.cli import final_metrics_table
@@ -393,7 +370,6 @@ def image_folder(root: Path, classes: tuple, mode: str) -> Path:
     ],
 )
 def test_linear_eval_bad_inputs_are_one_line(case, args, line, tmp_path, monkeypatch, capsys):
-    from moco_lightning.cli import run_cli
     from moco_lightning.linear_eval import LinearClassifier
 
     monkeypatch.chdir(tmp_path)
@@ -409,7 +385,7 @@ def test_linear_eval_bad_inputs_are_one_line(case, args, line, tmp_path, monkeyp
                     "--data.init_args.pretrain", "false", "--data.init_args.num_workers", "0",
                     "--model.label_fraction", "null", "--data.init_args.batch_size", "2"]  # fmt: skip
     with pytest.raises(SystemExit) as exit_:
-        run_cli(LinearClassifier, [*command, "--trainer.max_steps", "1"])
+        in_process(*[*command, "--trainer.max_steps", "1"], model=LinearClassifier)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 2 and "Traceback" not in "\n".join(err), err
     assert err[0].startswith(f"python -m moco_lightning.linear_eval {sub}: error: ") and line in err[0], err
@@ -429,19 +405,17 @@ def test_export_to_a_device_and_load_backbone_of_a_directory_are_one_line(tmp_pa
 def test_ckpt_path_last_without_a_last_ckpt_resumes_the_newest_checkpoint_and_says_so(tmp_path, monkeypatch, capsys):
     """Lightning's default checkpointing keeps epoch=E-step=S.ckpt and no last.ckpt: ``--ckpt_path last`` resumes the
     newest of them, saying so (it said "starting a new run"), and logs into its version."""
-    from moco_lightning import MoCo, Pretraining
-    from moco_lightning.cli import run_cli
 
     monkeypatch.chdir(tmp_path)
     text = RESUME_CONFIG.replace("max_steps: 6\n  max_epochs: 10", "max_epochs: 2")
     text = text[: text.index("  callbacks:")] + text[text.index("model:") :]  # Lightning's default ModelCheckpoint
     (tmp_path / "cfg.yaml").write_text(text)
-    run_cli(Pretraining, ["fit", "--config", "cfg.yaml"], default_model=MoCo)
+    in_process(*["fit", "--config", "cfg.yaml"])
     folder = tmp_path / "runs" / "tiny" / "version_0" / "checkpoints"
     assert [p.name for p in folder.glob("*.ckpt")] == ["epoch=1-step=8.ckpt"]
     capsys.readouterr()
     args = ["fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_epochs", "3"]
-    cli = run_cli(Pretraining, args, default_model=MoCo)
+    cli = in_process(*args)
     err = capsys.readouterr().err
     assert (
         "--ckpt_path last: no last.ckpt under runs/tiny (version_*/checkpoints): resuming the newest checkpoint, "

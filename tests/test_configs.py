@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cifar import write_cifar10
-from test_image_folder import write_tree
-from test_stl10 import write_stl10
+from helpers.cli import in_process
+from helpers.files import write_cifar10, write_stl10, write_tree
 
-from moco_lightning import MoCo, Pretraining
+from moco_lightning import MoCo
 from moco_lightning.cli import run_cli
 from moco_lightning.linear_eval import LinearClassifier
 
@@ -79,8 +78,9 @@ def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeyp
     args = ["fit", "--config", str(ROOT / "configs" / config), "--trainer.fast_dev_run=2", "--trainer.accelerator=cpu"]
     if config in ("linear_eval.yaml", "low_label.yaml"):  # the LinearClassifier's configs, on a tiny checkpoint
         labels = ["--model.label_fraction=0.5"] if config == "low_label.yaml" else []  # 64 images: 32 labelled
-        cli = run_cli(
-            LinearClassifier, [*args, f"--model.ckpt_path={pretrain_checkpoint(tmp_path)}", *SMALL_FMNIST, *labels]
+        cli = in_process(
+            *[*args, f"--model.ckpt_path={pretrain_checkpoint(tmp_path)}", *SMALL_FMNIST, *labels],
+            model=LinearClassifier,
         )
     elif "DDPStrategy" in (ROOT / "configs" / config).read_text():  # DDP launches processes: the real command
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -97,7 +97,7 @@ def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeyp
         assert "`Trainer.fit` stopped: `max_steps=2` reached" in result.stderr + result.stdout
         return
     else:
-        cli = run_cli(Pretraining, [*args, *fixture_overrides(config, tmp_path)], default_model=MoCo)
+        cli = in_process(*[*args, *fixture_overrides(config, tmp_path)])
     assert cli.trainer.global_step == 2 and cli.trainer.state.finished
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_image_folder import write_tree
+from helpers.files import write_tree
 
 from moco_lightning.datamodules import ImageFolderDataModule
 from moco_lightning.datamodules.dali import DaliLoader

@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
+from helpers.data import ToyData
+from helpers.models import TinyNet
+from helpers.trainers import RecordingLogger, trainer
 from torch import nn
 
 from moco_lightning.callbacks import RepresentationDiagnostics, alignment, mean_queue_age, uniformity
@@ -83,7 +85,8 @@ def test_diagnostics_on_a_plain_module_with_known_numbers(seeded):
 
 
 def test_diagnostics_on_moco(seeded):
-    from conftest import tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
 
     moco, logger = tiny_moco(queue_size=32), RecordingLogger()
     trainer(max_steps=4, logger=logger, callbacks=[RepresentationDiagnostics(every_n_steps=2)]).fit(
@@ -98,7 +101,9 @@ def test_diagnostics_on_moco(seeded):
 
 
 def test_key_drift_works_with_channels_last_weights():
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning.callbacks import RepresentationDiagnostics
 
@@ -119,8 +124,8 @@ def test_key_drift_works_with_channels_last_weights():
 
 def test_diagnostics_see_byols_target_network_and_its_embeddings(seeded):
     """BYOL's momentum copy is its target network: the drift and the embeddings' health are logged as MoCo's."""
-    from conftest import tiny_data
-    from method_toys import tiny
+    from helpers.data import tiny_data
+    from helpers.models import tiny
 
     from moco_lightning import BYOL
 

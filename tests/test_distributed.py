@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
-from typing import Union
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import cpu_trainer, tiny_moco
+from helpers.distributed import free_port, gloo_rank
+from helpers.models import no_bn_backbone, tiny_moco
+from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, LightningDataModule, seed_everything
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -23,29 +22,6 @@ from moco_lightning.queue import KeyQueue
 from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
 
 B, STEPS = 4, 3  # per-rank batch, optimizer steps
-
-
-@contextlib.contextmanager
-def gloo_rank(rank: int, port: Union[int, str], world_size: int = 2):
-    """This spawned process as ``rank`` of a gloo group, destroyed on the way out; ``port``: a TCP port on localhost,
-    or the path of a file store (what :func:`free_port` gives)."""
-    init = f"file://{port}" if isinstance(port, str) else f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> str:
-    """A rendezvous for a 2-process gloo group: a fresh file store, not a TCP port (a port chosen by binding and
-    releasing it can be taken by a parallel test before the group binds it)."""
-    return os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
-
-
-def no_bn_backbone() -> nn.Module:
-    """Batch-size independent (GroupNorm), so 2 ranks x B and 1 process x 2B compute the same thing."""
-    return nn.Sequential(nn.Conv2d(1, 8, 3, 2, 1), nn.GroupNorm(2, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
 
 
 class Pairs(Dataset):
@@ -199,7 +175,7 @@ def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
     """Shuffle BN across ranks: each rank's key encoder encodes a sub-batch drawn from the key views of *both* ranks
     (a shuffle that is drawn but not applied, or "ddp" treated as "off", leaves each rank its own rows), and the
     queues stay identical."""
-    from conftest import tiny_data
+    from helpers.data import tiny_data
 
     seed_everything(0, verbose=False)
     model = tiny_moco(shuffle_bn="ddp", queue_size=48)
@@ -266,7 +242,7 @@ def test_convert_split_bn_keeps_torchvision_state_dict_keys():
 
 
 def test_auto_shuffle_bn_is_split_on_one_device_and_key_shuffle_is_inverted(seeded):
-    from conftest import tiny_data
+    from helpers.data import tiny_data
 
     checked = {}
 
@@ -292,7 +268,7 @@ def test_auto_shuffle_bn_is_split_on_one_device_and_key_shuffle_is_inverted(seed
 
 
 def test_ddp_shuffle_on_one_process_is_a_clear_error(seeded):
-    from conftest import tiny_data
+    from helpers.data import tiny_data
 
     with pytest.raises(ValueError, match="shuffle_bn='ddp' needs a distributed run"):
         cpu_trainer(max_steps=1).fit(tiny_moco(shuffle_bn="ddp"), tiny_data())
@@ -418,7 +394,7 @@ class Counted(Callback):
 
 
 def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_sizes(tmp_path):
-    from conftest import tiny_data
+    from helpers.data import tiny_data
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def run(max_steps, tag, ckpt_path=None):
@@ -466,7 +442,7 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     refuses it (the epoch's rest is 2 ranks' shards). 1 -> 2 at the next epoch's end goes on the same way."""
     import warnings
 
-    from conftest import tiny_data
+    from helpers.data import tiny_data
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from moco_lightning.errors import ConfigError
@@ -487,7 +463,7 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     run(2, "two")  # 2 steps of 2 x 16 images an epoch: 8 steps, a checkpoint after each (4: epoch 1's end)
     with pytest.raises(ConfigError, match=r"written 1 batches into an epoch by 2 process\(es\), and this run has 1"):
         run(1, "refused", ckpt_path=tmp_path / "two" / "step=3.ckpt")
-    from conftest import tiny_backbone  # its weights load in one process all the same (export, evaluation)
+    from helpers.models import tiny_backbone  # its weights load in one process all the same (export, evaluation)
 
     loaded = MoCo.load_from_checkpoint(tmp_path / "two" / "step=3.ckpt", backbone=tiny_backbone())
     saved = torch.load(tmp_path / "two" / "step=3.ckpt", weights_only=True)["state_dict"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURE_CKPT, tiny_backbone
+from helpers.data import FIXTURE_CKPT
+from helpers.models import tiny_backbone
 
 from moco_lightning.encoder import choose_encoder, load_encoder, load_weights
 from moco_lightning.errors import ConfigError
@@ -28,7 +29,9 @@ def test_a_checkpoint_and_its_export_give_the_same_encoder_and_scratch_other_wei
 
 
 def test_a_module_of_ones_own_takes_the_files_weights_and_a_nameless_checkpoint_says_what_to_do(tmp_path, seeded):
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
 
     model = tiny_moco()
     trainer = cpu_trainer(max_steps=1, limit_val_batches=0)

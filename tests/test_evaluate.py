@@ -5,7 +5,7 @@ the training split, never the test split."""
 import json
 
 import pytest
-from conftest import FIXTURE_CKPT
+from helpers.data import FIXTURE_CKPT
 
 from moco_lightning.cli import main
 

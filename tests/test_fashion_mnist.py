@@ -1,28 +1,11 @@
-import gzip
-import struct
-
-import numpy as np
 import pytest
 import torch
-from conftest import cpu_trainer, tiny_data
+from helpers.data import tiny_data
+from helpers.files import fake_fashion
+from helpers.trainers import cpu_trainer
 
 from moco_lightning.datamodules import FashionMNISTDataModule
 from moco_lightning.datamodules.fashion_mnist import read_idx
-
-
-def write_idx(path, array, compress=True):
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(struct.pack(">I", d) for d in array.shape)
-    data = header + array.astype(np.uint8).tobytes()
-    (gzip.open if compress else open)(path, "wb").write(data)
-
-
-def fake_fashion(folder, n_train=40, n_test=20, compress=True):
-    rng = np.random.default_rng(0)
-    suffix = ".gz" if compress else ""
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), compress)
-        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", np.arange(n) % 10, compress)
-    return folder
 
 
 def test_reads_the_debian_package_files():

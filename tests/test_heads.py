@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_moco
+from helpers.models import tiny_moco
 from torch import nn
 
 from moco_lightning import MoCoV3

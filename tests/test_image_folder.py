@@ -4,11 +4,12 @@ import struct
 import warnings
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from helpers.data import training
+from helpers.files import smooth_rgb, write_tree
 from PIL import Image
 from torchvision import transforms as T
 
@@ -21,31 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def smooth_rgb(seed, size=(48, 40)):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)).resize(size, Image.BILINEAR)
-
-
-def write_tree(root: Path, n_per_class=4, classes=("cat", "dog"), splits=("train", "val")):
-    """<root>/<split>/<class>/*.jpg|png, one image in a nested folder, plus files that are not images."""
-    k = 0
-    for split in splits:
-        for c in classes:
-            folder = root / split / c
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(n_per_class):
-                img = smooth_rgb(k)
-                k += 1
-                if i == n_per_class - 1:
-                    (folder / "nested").mkdir(exist_ok=True)
-                    img.save(folder / "nested" / f"{i}.png")
-                else:
-                    img.save(folder / f"{i}.jpg" if i % 2 == 0 else folder / f"{i}.PNG", quality=95)
-            (folder / "notes.txt").write_text("not an image")
-            (folder / ".hidden.jpg").write_bytes(b"ignored")
-    return root
-
-
 def png_rgb16(arr: np.ndarray) -> bytes:
     """A 16-bit-per-channel RGB PNG (PIL cannot write one)."""
     h, w, _ = arr.shape
@@ -56,11 +32,6 @@ def png_rgb16(arr: np.ndarray) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
-
-
-def training(dm):
-    dm.trainer = SimpleNamespace(training=True, validating=False, sanity_checking=False, global_rank=0)
-    return dm
 
 
 def first_views(dm):
@@ -312,7 +283,8 @@ def test_subsets_keep_every_class(tmp_path):
 
 @pytest.mark.parametrize("labelled", [True, False])
 def test_trains_moco_for_two_steps(tmp_path, labelled):
-    from conftest import cpu_trainer, tiny_backbone, tiny_moco
+    from helpers.models import tiny_backbone, tiny_moco
+    from helpers.trainers import cpu_trainer
 
     if labelled:
         write_tree(tmp_path)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
+from helpers.data import ToyData
+from helpers.distributed import free_port
+from helpers.models import TinyNet
+from helpers.trainers import RecordingLogger, trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -134,11 +136,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> str:
-    """A file store for the gloo group (no TCP port a parallel test could take)."""
-    return os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
-
-
 def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):
     bank_loader, val_loader = loaders()
     one = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10)
@@ -187,7 +184,7 @@ def test_monitor_in_a_trainer_with_a_plain_module(seeded):
 
 
 def test_monitor_leaves_moco_queue_and_key_encoder_alone(seeded):
-    from conftest import tiny_moco
+    from helpers.models import tiny_moco
 
     moco = tiny_moco()
     before = {k: v.clone() for k, v in moco.state_dict().items()}

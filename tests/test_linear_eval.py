@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from callback_toys import trainer
+from helpers.cli import in_process
+from helpers.trainers import trainer
 from lightning.pytorch import Callback, LightningDataModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from moco_lightning.cli.linear import main
 from moco_lightning.errors import ConfigError
 from moco_lightning.linear_eval import LinearClassifier
 
@@ -114,7 +114,9 @@ def test_protocol_schedule():
 
 
 def _moco_checkpoint(tmp_path: Path, **kwargs) -> tuple[Path, nn.Module]:
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
 
     moco = tiny_moco(**kwargs)
     t = cpu_trainer(max_steps=1, limit_val_batches=0)
@@ -125,7 +127,7 @@ def _moco_checkpoint(tmp_path: Path, **kwargs) -> tuple[Path, nn.Module]:
 
 
 def test_backbone_from_a_moco_checkpoint_with_a_module_backbone(seeded, tmp_path):
-    from conftest import tiny_backbone
+    from helpers.models import tiny_backbone
 
     path, moco = _moco_checkpoint(tmp_path)
     model = LinearClassifier(
@@ -167,7 +169,8 @@ class GrayImages(LightningDataModule):
 def resnet_checkpoint(tmp_path_factory) -> Path:
     """A MoCo checkpoint with a named backbone (what configs/linear_eval.yaml expects), untrained (saved
     without fitting: loading is what is under test, and a resnet18 step costs seconds on this CPU)."""
-    from conftest import cpu_trainer, tiny_moco
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
     from lightning.pytorch import seed_everything
 
     seed_everything(0, verbose=False)
@@ -180,8 +183,8 @@ def resnet_checkpoint(tmp_path_factory) -> Path:
 
 
 def _cli(path: Path, root: Path, *extra: str) -> None:
-    main(
-        [
+    in_process(
+        *[
             "fit",
             "--config",
             str(CONFIG),
@@ -197,7 +200,8 @@ def _cli(path: Path, root: Path, *extra: str) -> None:
             "--trainer.enable_model_summary=false",
             f"--trainer.default_root_dir={root}",
             *extra,
-        ]
+        ],
+        model=LinearClassifier,
     )
 
 
@@ -232,7 +236,8 @@ def test_command_line_with_the_config_on_fashion_mnist(resnet_checkpoint, tmp_pa
 
 def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tmp_path):
     """The quickstart's width-0.5 ResNet-18, exported as a plain state dict, rebuilt by the same backbone arguments."""
-    from conftest import cpu_trainer, tiny_data
+    from helpers.data import tiny_data
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning import MoCo
     from moco_lightning.export import export_backbone
@@ -259,7 +264,8 @@ def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tm
 @pytest.mark.parametrize("method", ["SimCLR", "MoCoV3"])
 def test_a_checkpoint_of_another_method_is_linearly_evaluated(seeded, tmp_path, method):
     """Not only MoCo: any pretraining method's checkpoint gives its backbone (it was a 90-line traceback)."""
-    from conftest import cpu_trainer, tiny_data
+    from helpers.data import tiny_data
+    from helpers.trainers import cpu_trainer
 
     import moco_lightning
 
@@ -293,7 +299,7 @@ def test_balanced_subset_is_class_stratified_seeded_and_checked():
 
 
 def tiny_labelled_data(**kwargs):
-    from conftest import tiny_data
+    from helpers.data import tiny_data
 
     return tiny_data(**{"pretrain": False, "batch_size": 8, "train_subset": 200, "val_subset": 40, **kwargs})
 
@@ -335,7 +341,7 @@ def frozen_backbone_2d() -> nn.Module:
 
 
 def test_finetune_trains_the_backbone_in_train_mode_at_its_own_lr(seeded):
-    from conftest import cpu_trainer
+    from helpers.trainers import cpu_trainer
 
     backbone = frozen_backbone_2d()
     before = {k: v.clone() for k, v in backbone.state_dict().items()}
@@ -353,7 +359,8 @@ def test_finetune_trains_the_backbone_in_train_mode_at_its_own_lr(seeded):
 
 
 def test_from_scratch_rebuilds_the_checkpoints_architecture_with_random_weights(seeded, tmp_path):
-    from conftest import cpu_trainer, tiny_data
+    from helpers.data import tiny_data
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning import MoCo
 
@@ -374,7 +381,8 @@ def test_low_label_options_do_what_they_say_or_say_why_not(seeded):
     """From scratch the whole network trains at lr (backbone_lr is for a pretrained backbone: a warning says it is
     not used), a frozen backbone ignores backbone_lr with a warning, from_scratch with finetune false is refused, and
     hparams record what the run does."""
-    from conftest import FIXTURE_CKPT, cpu_trainer
+    from helpers.data import FIXTURE_CKPT
+    from helpers.trainers import cpu_trainer
 
     with pytest.warns(
         UserWarning, match="backbone_lr=0.01 is not used: from scratch the whole network trains at lr=0.05"
@@ -395,7 +403,8 @@ def test_low_label_options_do_what_they_say_or_say_why_not(seeded):
 def test_a_training_split_missing_classes_is_refused_with_or_without_a_label_subset(seeded, labels):
     """A training subset that lacks some classes would train a 10-class head on fewer: one rule, whether all its
     labels are used or a subset of them: refused, naming the missing classes."""
-    from conftest import FIXTURE_CKPT, cpu_trainer
+    from helpers.data import FIXTURE_CKPT
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning.datamodules import FashionMNISTDataModule
 
@@ -423,11 +432,8 @@ def test_low_label_config_fine_tunes_through_the_command_line(resnet_checkpoint,
 
 
 def main_cli(path: Path, root: Path, config: Path, *extra: str):
-    from moco_lightning.cli import run_cli
-
-    return run_cli(
-        LinearClassifier,
-        [
+    return in_process(
+        *[
             "fit",
             "--config",
             str(config),
@@ -439,6 +445,7 @@ def main_cli(path: Path, root: Path, config: Path, *extra: str):
             f"--trainer.default_root_dir={root}",
             *extra,
         ],
+        model=LinearClassifier,
     )
 
 

@@ -7,7 +7,9 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from callback_toys import RecordingLogger, TinyNet, ToyData, trainer
+from helpers.data import ToyData
+from helpers.models import TinyNet
+from helpers.trainers import RecordingLogger, trainer
 from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -132,7 +134,7 @@ def train_probe(rank: int, world: int) -> dict:
 
 
 def _ddp_probe_worker(rank: int, port: str, out_dir: str) -> None:
-    from test_distributed import gloo_rank
+    from helpers.distributed import gloo_rank
 
     with gloo_rank(rank, port):
         torch.save(train_probe(rank, 2), os.path.join(out_dir, f"probe{rank}.pt"))
@@ -142,7 +144,7 @@ def test_ddp_probe_averages_gradients_and_sums_validation_counts(tmp_path):
     """2 ranks (gloo), each with half of every batch: the probe's weights equal one process's on the whole batch (the
     mean gradient, all-reduced: the same probe on every rank) and the validation accuracy is over the 11 images of
     the split (each rank counts its share, the counts summed), not over one rank's share."""
-    from test_distributed import free_port
+    from helpers.distributed import free_port
 
     mp.spawn(_ddp_probe_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"probe{r}.pt") for r in (0, 1)]

@@ -80,7 +80,7 @@ def test_similarities_and_loss_are_fp32_under_bf16_autocast():
 
 
 def _end_to_end_worker(rank: int, port: str, out_dir: str) -> None:
-    from test_distributed import gloo_rank
+    from helpers.distributed import gloo_rank
 
     with gloo_rank(rank, port):
         q, k = _end_to_end_batch()
@@ -100,7 +100,7 @@ def test_end_to_end_keys_get_the_single_process_gradient_on_two_ranks(tmp_path):
     """In-batch negatives with gradients (the end-to-end mechanism): a rank's keys are negatives of the other rank's
     queries too, so their gradient on each rank is the whole batch's (x 2: DDP averages), not only this rank's share."""
     import torch.multiprocessing as mp
-    from test_distributed import free_port
+    from helpers.distributed import free_port
 
     mp.spawn(_end_to_end_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     q, k = _end_to_end_batch()

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.cli import in_process
 
 import moco_lightning
-from moco_lightning import MoCo, Pretraining
-from moco_lightning.cli import run_cli
 
 TINY = dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, hidden_dim=16, dim=8)
 CONSTANT = dict(lr_schedule="constant", warmup_epochs=0)  # schedules that do not depend on the planned length
@@ -106,7 +105,7 @@ def config(
         callbacks=[
             {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
              "init_args": dict(dirpath=str(folder / "ckpt"), save_last=True, **saving)},
-            {"class_path": "conftest.RecordSchedules"},
+            {"class_path": "helpers.callbacks.RecordSchedules"},
         ],
     )  # fmt: skip
     model = {"class_path": f"moco_lightning.{name}", "init_args": {**TINY, **CONSTANT, **args, **model_args}}
@@ -116,12 +115,6 @@ def config(
     return path
 
 
-def cli(*args: str):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return run_cli(Pretraining, list(args), default_model=MoCo)
-
-
 _RUNS: dict = {}
 
 
@@ -129,7 +122,7 @@ def run(method: str, tmp_path_factory) -> Path:
     """The method's shared run: 8 steps through the CLI (4 steps an epoch), its folder."""
     if method not in _RUNS:
         folder = tmp_path_factory.mktemp(method)
-        result = cli("fit", "--config", str(config(method, folder)))
+        result = in_process("fit", "--config", str(config(method, folder)))
         assert result.trainer.global_step == 8
         _RUNS[method] = folder
     return _RUNS[method]
@@ -153,7 +146,7 @@ def assert_same_run(a: dict, b: dict) -> None:
 # --- the CLI from a minimal config: each class's own defaults ----------------------------------
 def printed_model(capsys, *args: str) -> dict:
     with pytest.raises(SystemExit):
-        cli("fit", *args, "--print_config")
+        in_process("fit", *args, "--print_config")
     return yaml.safe_load(capsys.readouterr().out)["model"]
 
 
@@ -208,7 +201,7 @@ def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory):
 def test_a_resume_from_a_mid_epoch_checkpoint_is_bit_equal(method, tmp_path_factory, tmp_path):
     """The step-3 checkpoint (epoch 0, batch 3 of 4): what a run killed after it leaves; resumed to step 8."""
     straight = run(method, tmp_path_factory)
-    cli("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(straight / "ckpt" / "step=3.ckpt"))
+    in_process("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(straight / "ckpt" / "step=3.ckpt"))
     assert_same_run(state(straight / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
 
 
@@ -216,9 +209,9 @@ def test_a_resume_from_a_mid_epoch_checkpoint_is_bit_equal(method, tmp_path_fact
 def test_extending_a_run_stopped_mid_epoch_continues_that_epoch(method, tmp_path_factory, tmp_path):
     """max_steps 6 stops in epoch 1 after 2 of its 4 batches; extended to 8 with --ckpt_path, steps 7-8 are that
     epoch's batches 3-4: the run ends bit-equal to the one that ran 8 steps at once."""
-    cli("fit", "--config", str(config(method, tmp_path, max_steps=6)))
+    in_process("fit", "--config", str(config(method, tmp_path, max_steps=6)))
     assert state(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6
-    cli("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
+    in_process("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
     assert_same_run(state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
 
 
@@ -228,10 +221,10 @@ def test_a_cut_epoch_continues_when_max_epochs_binds(method, tmp_path_factory, t
     epoch's end; resumed with max_epochs 2 binding (no max_steps), the 2 batches left are trained (not "max_epochs
     reached", 0 steps) and the run ends bit-equal to the straight 8-step run: nothing the run depends on changes
     with max_steps while the schedules do not (constant lr and momentum)."""
-    cli("fit", "--config", str(config(method, tmp_path, max_steps=6, max_epochs=2, every_step=False)))
+    in_process("fit", "--config", str(config(method, tmp_path, max_steps=6, max_epochs=2, every_step=False)))
     assert state(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 6
     extend = config(method, tmp_path, max_steps=-1, max_epochs=2, every_step=False)
-    result = cli("fit", "--config", str(extend), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
+    result = in_process("fit", "--config", str(extend), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"))
     assert result.trainer.global_step == 8
     assert_same_run(state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
 
@@ -247,13 +240,13 @@ def test_training_longer_follows_the_schedules_of_the_new_length(method, tmp_pat
     schedules = dict(lr_schedule="cosine", warmup_epochs=0.5)
     if name in MOMENTUM:
         schedules["momentum_schedule"] = "cosine"
-    cli("fit", "--config", str(config(method, tmp_path, max_steps=-1, max_epochs=2, **schedules)))
+    in_process("fit", "--config", str(config(method, tmp_path, max_steps=-1, max_epochs=2, **schedules)))
     finished = state(tmp_path / "ckpt" / "last.ckpt")
     assert finished["global_step"] == 8
     longer = config(method, tmp_path, max_steps=-1, max_epochs=4, **schedules)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = run_cli(Pretraining, ["fit", "--config", str(longer), "--ckpt_path", "last"], default_model=MoCo)
+        result = in_process(*["fit", "--config", str(longer), "--ckpt_path", "last"])
     assert result.trainer.global_step == 16
     messages = [str(w.message) for w in caught]
     assert any("resumed at step 8, the run now ends at step 16" in m for m in messages), messages
@@ -293,7 +286,7 @@ def test_validate_from_the_checkpoint_reports_the_pretext_metrics(method, tmp_pa
     args = ("validate", "--config", str(folder / "config.yaml"), "--ckpt_path", str(folder / "ckpt" / "last.ckpt"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = run_cli(Pretraining, [*args, "--trainer.limit_val_batches=2"], default_model=MoCo)
+        result = in_process(*[*args, "--trainer.limit_val_batches=2"])
     metrics = result.trainer.callback_metrics
     if method == "memory_bank":  # validation images have no row in the bank: said, not silent
         assert any("MemoryBankMoCo has no validation loss" in str(w.message) for w in caught)
@@ -308,7 +301,7 @@ def test_a_batch_of_one_image_is_one_line_for_every_method(method, tmp_path, cap
     """Batch size 1: SimCLR and EndToEnd trained at loss 0, MoCo v3 ended in a BatchNorm traceback, MoCo advised
     "bn_splits at most 1" when it was 1: one line for every method, at fit start, exit code 2."""
     with pytest.raises(SystemExit) as exit_:
-        cli("fit", "--config", str(config(method, tmp_path)), "--data.init_args.batch_size=1")
+        in_process("fit", "--config", str(config(method, tmp_path)), "--data.init_args.batch_size=1")
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 2, err
     assert err[0] == (
@@ -323,7 +316,7 @@ def test_a_batch_of_one_image_is_one_line_for_every_method(method, tmp_path, cap
 def test_test_and_predict_are_refused_in_one_line(method, sub, tmp_path_factory, capsys):
     folder = run(method, tmp_path_factory)
     with pytest.raises(SystemExit) as exit_:
-        cli(sub, "--config", str(folder / "config.yaml").replace("config.yaml", "config.yaml"))
+        in_process(sub, "--config", str(folder / "config.yaml").replace("config.yaml", "config.yaml"))
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 2 and err[0].startswith(f"moco-lightning {sub}: error: {sub}: ")
 
@@ -429,7 +422,7 @@ def test_a_checkpoint_of_the_previous_format_loads_resumes_and_exports(name, tmp
             )
         )
     )  # fmt: skip
-    result = cli("fit", "--config", str(cfg), "--ckpt_path", str(path))
+    result = in_process("fit", "--config", str(cfg), "--ckpt_path", str(path))
     assert result.trainer.global_step == 3 and type(result.model).__name__ == name
     export(["--ckpt", str(path), "--out", str(tmp_path / "b.pt")])
     assert (tmp_path / "b.pt").stat().st_size > 0

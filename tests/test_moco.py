@@ -5,7 +5,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cpu_trainer, tiny_data, tiny_moco
+from helpers.data import tiny_data
+from helpers.models import tiny_moco
+from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn

@@ -4,7 +4,9 @@ schedules (continuous at that step, the planned end at the new last step) and st
 import math
 
 import pytest
-from conftest import cpu_trainer, tiny_data, tiny_moco
+from helpers.data import tiny_data
+from helpers.models import tiny_moco
+from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback
 
 from moco_lightning.optim import cosine

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CPU_TRAINER, cpu_trainer
+from helpers.trainers import CPU_TRAINER, cpu_trainer
 from lightning.pytorch import Trainer
 
 import moco_lightning.datamodules as datamodules

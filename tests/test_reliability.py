@@ -4,13 +4,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
-from conftest import cpu_trainer, tiny_data, tiny_moco
+from helpers.cli import run, subprocess_env
+from helpers.data import tiny_data
+from helpers.models import tiny_moco
+from helpers.trainers import cpu_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import MoCo
@@ -48,14 +50,6 @@ data:
 """
 
 
-def cli(config: Path, *extra: str):
-    exe = [sys.executable, "-m", "moco_lightning", "fit", "--config", str(config), *extra]
-    # one thread in every run: conftest (imported by a run that uses KillAt) sets the thread count under xdist, and
-    # runs with other thread counts sum their floats in another order (not bit-equal)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return exe, env
-
-
 def _final_state(path: Path) -> dict:
     """Everything a resumed run must reproduce: weights and buffers (queue), optimizer and schedule, the loops'
     progress, each rank's global RNGs and augmentation generator."""
@@ -86,14 +80,15 @@ def _assert_equal(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+CB = "    - class_path: helpers.callbacks."  # a callback of the config, at a step
 INTERRUPTIONS = {  # how a run is stopped mid-epoch: (callback, the exit code, the step of the checkpoint it leaves)
-    "kill -9": ("    - class_path: conftest.KillAt\n      init_args: {{step: 7}}", -signal.SIGKILL, lambda d: 6),
+    "kill -9": (CB + "KillAt\n      init_args: {{step: 7}}", -signal.SIGKILL, lambda d: 6),
     # a preemption noted at the end of step 7 on the last rank: one process saves at that step; with several, the
     # ranks agree through step 8's all-reduce, read by every rank at step 8's checkpoint save (every 2 steps here;
     # else at step 9's start), and save together at the end of step 8
-    "SIGTERM": ("    - class_path: conftest.SignalAt\n      init_args: {{step: 7, signum: SIGTERM, rank: {last}}}", 0,
+    "SIGTERM": (CB + "SignalAt\n      init_args: {{step: 7, signum: SIGTERM, rank: {last}}}", 0,
                 lambda d: 7 if d == 1 else 8),
-    "SIGINT": ("    - class_path: conftest.SignalAt\n      init_args: {{step: 7, signum: SIGINT}}", 1, lambda d: 7),
+    "SIGINT": (CB + "SignalAt\n      init_args: {{step: 7, signum: SIGINT}}", 1, lambda d: 7),
 }  # fmt: skip
 
 
@@ -114,21 +109,20 @@ def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninte
     )
     steps = 20 // devices  # 2 epochs
 
-    def run(name: str, interrupt: str, *extra: str) -> subprocess.CompletedProcess:
+    def fit(name: str, interrupt: str, *extra: str) -> subprocess.CompletedProcess:
         config = tmp_path / f"{name}.yaml"
         stop = INTERRUPTIONS[interrupt][0].format(last=devices - 1) if interrupt else ""
         text = CONFIG.format(ckpt_dir=tmp_path / name, kill=stop)
         config.write_text(text.replace("trainer:\n", "trainer:\n" + ddp, 1))
-        exe, env = cli(config, *extra)
-        return subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        return run(["moco-lightning", "fit", "--config", str(config), *extra], cwd=tmp_path, timeout=600)
 
-    whole = run("whole", "")
+    whole = fit("whole", "")
     assert whole.returncode == 0, whole.stderr[-3000:]
     at_stop = {}
     for interrupt in ("kill -9", "SIGTERM") if devices == 2 else INTERRUPTIONS:  # SIGINT after SIGTERM
         name = interrupt.replace(" ", "").replace("-", "")
         _, code, saved_at = INTERRUPTIONS[interrupt]
-        stopped = run(name, interrupt)
+        stopped = fit(name, interrupt)
         assert stopped.returncode == code, (interrupt, stopped.stderr[-2000:])
         last = tmp_path / name / "last.ckpt"
         assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == saved_at(devices), interrupt
@@ -139,7 +133,7 @@ def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninte
         if interrupt == "SIGINT":  # the same step boundary as SIGTERM's: the same state, whose resume is tested
             _assert_equal(at_stop["SIGINT"], at_stop["SIGTERM"], "SIGINT vs SIGTERM")
             continue
-        resumed = run(name, "", "--ckpt_path", "last")
+        resumed = fit(name, "", "--ckpt_path", "last")
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"Restored all states from the checkpoint at {last}" in resumed.stderr + resumed.stdout
         assert "not resumable" not in resumed.stderr and "not resumable" not in resumed.stdout
@@ -162,25 +156,27 @@ def test_slurm_requeue_saves_at_a_step_boundary_and_the_requeued_job_continues_b
     slurm = dict(SLURM_NTASKS="1", SLURM_JOB_NAME="pretrain", SLURM_JOB_ID="4242", SLURM_PROCID="0",
                  SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost")  # fmt: skip
 
-    def run(name: str, signal_at: bool, on_slurm: bool) -> subprocess.CompletedProcess:
+    def fit(name: str, signal_at: bool, on_slurm: bool) -> subprocess.CompletedProcess:
         config = tmp_path / f"{name}.yaml"
-        stop = "    - class_path: conftest.SignalAt\n      init_args: {step: 7, signum: SIGUSR1}" if signal_at else ""
+        stop = (
+            "    - class_path: helpers.callbacks.SignalAt\n      init_args: {step: 7, signum: SIGUSR1}"
+            if signal_at
+            else ""
+        )
         text = CONFIG.format(ckpt_dir=tmp_path / name, kill=stop)
         config.write_text(text.replace("trainer:\n", f"trainer:\n  default_root_dir: {tmp_path / name}\n", 1))
-        exe, env = cli(config)
-        if on_slurm:
-            env = dict(env, PATH=f"{bin_dir}:{env['PATH']}", **slurm)
-        return subprocess.run(exe, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        env = subprocess_env(**slurm, PATH=f"{bin_dir}:{os.environ['PATH']}") if on_slurm else None
+        return run(["moco-lightning", "fit", "--config", str(config)], cwd=tmp_path, timeout=600, env=env)
 
-    whole = run("whole", False, False)
+    whole = fit("whole", False, False)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    stopped = run("slurm", True, True)
+    stopped = fit("slurm", True, True)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     hpc = tmp_path / "slurm" / "hpc_ckpt_1.ckpt"
     assert torch.load(hpc, map_location="cpu", weights_only=True)["global_step"] == 7
     assert f"SIGUSR1 at step 7: saved a resumable checkpoint to {hpc}" in stopped.stderr
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
-    requeued = run("slurm", False, True)
+    requeued = fit("slurm", False, True)
     assert requeued.returncode == 0, requeued.stderr[-3000:]
     assert f"Restored all states from the checkpoint at {hpc}" in requeued.stderr + requeued.stdout
     final = _final_state(tmp_path / "slurm" / "last.ckpt")

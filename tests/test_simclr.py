@@ -4,9 +4,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import cpu_trainer, tiny_data
-from method_toys import assert_resumes_bit_equal, tiny
-from test_distributed import free_port, gloo_rank
+from helpers.data import tiny_data
+from helpers.distributed import free_port, gloo_rank
+from helpers.models import tiny
+from helpers.resume import assert_resumes_bit_equal
+from helpers.trainers import cpu_trainer
 
 from moco_lightning import SimCLR
 

@@ -1,11 +1,11 @@
 """STL-10 datamodule on fixture binaries written in the real format; nothing is downloaded."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from helpers.data import training
+from helpers.files import write_stl10
 
 from moco_lightning.datamodules import STL10DataModule
 from moco_lightning.datamodules.stl10 import read_stl10_images
@@ -14,26 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def write_stl10(root: Path, n_train=20, n_test=12, n_unlabeled=30):
-    """stl10_binary/*_X.bin: uint8 images 3x96x96, each channel stored column-major; *_y.bin: uint8 labels 1..10."""
-    folder = root / "stl10_binary"
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    images = {}
-    for split, n in (("train", n_train), ("test", n_test), ("unlabeled", n_unlabeled)):
-        chw = rng.integers(0, 256, (n, 3, 96, 96), dtype=np.uint8)
-        (folder / f"{split}_X.bin").write_bytes(chw.transpose(0, 1, 3, 2).tobytes())
-        images[split] = chw
-        if split != "unlabeled":
-            (folder / f"{split}_y.bin").write_bytes((np.arange(n) % 10 + 1).astype(np.uint8).tobytes())
-    return images
-
-
-def training(dm):
-    dm.trainer = SimpleNamespace(training=True, validating=False, sanity_checking=False, global_rank=0)
-    return dm
 
 
 def test_splits_orientation_and_labels(tmp_path):

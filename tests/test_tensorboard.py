@@ -6,7 +6,9 @@ import io
 
 import numpy as np
 import pytest
-from callback_toys import TinyNet, ToyData, trainer
+from helpers.data import ToyData
+from helpers.models import TinyNet
+from helpers.trainers import trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -71,7 +73,9 @@ def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, t
     import urllib.request
     from pathlib import Path
 
-    from conftest import cpu_trainer, tiny_data, tiny_moco
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
 
     from moco_lightning.callbacks import LinearProbe, RepresentationDiagnostics
 

@@ -1,17 +1,10 @@
-"""Tiny SimCLR / BYOL / SwAV modules for the method tests (the conftest's tiny backbone, small heads)."""
+"""The bit-equal resume check every method passes."""
 
-from conftest import tiny_backbone
+from __future__ import annotations
 
-
-def tiny(cls, **kwargs):
-    args = dict(backbone=tiny_backbone(), in_channels=1, image_size=28, hidden_dim=32, dim=8, lr=0.06)
-    # the mechanics under test with plain SGD at a constant lr (the classes' own defaults are the papers' LARS recipes
-    # with warm-up: test_matrix checks those)
-    args.update(lr_schedule="constant", optimizer="sgd", warmup_epochs=0.0, weight_decay=1e-4)
-    if cls.__name__ == "SwAV":
-        args.update(n_prototypes=10, freeze_prototypes_epochs=0.0)
-    args.update(kwargs)
-    return cls(**args)
+from .data import tiny_data
+from .models import tiny
+from .trainers import cpu_trainer
 
 
 def assert_resumes_bit_equal(cls, tmp_path, **kwargs) -> None:
@@ -19,7 +12,6 @@ def assert_resumes_bit_equal(cls, tmp_path, **kwargs) -> None:
     weights, buffers and optimizer state of the run that was never interrupted (warm-up + cosine lr: the schedule
     continues, it does not restart)."""
     import torch
-    from conftest import cpu_trainer, tiny_data
     from lightning.pytorch import seed_everything
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -1,0 +1,28 @@
+"""Two-process gloo groups on one CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Union
+
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: Union[int, str], world_size: int = 2):
+    """This spawned process as ``rank`` of a gloo group, destroyed on the way out; ``port``: a TCP port on localhost,
+    or the path of a file store (what :func:`free_port` gives)."""
+    init = f"file://{port}" if isinstance(port, str) else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> str:
+    """A rendezvous for a 2-process gloo group: a fresh file store, not a TCP port (a port chosen by binding and
+    releasing it can be taken by a parallel test before the group binds it)."""
+    return os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
