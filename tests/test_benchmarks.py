@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # benchmark scripts
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -24,6 +24,7 @@ def test_quickstart_config_runs_offline_through_the_cli(tmp_path, monkeypatch):
     assert {type(c).__name__ for c in cli.trainer.callbacks} >= {"KNNMonitor", "LinearProbe"}  # every callback ran
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_python_dash_m_entry_point_prints_the_config(tmp_path):
     result = run(
         [
@@ -108,6 +109,7 @@ data:
 """
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
     """No seed: only a real resume can leave run A's keys of steps 1-6 in the queue after step 9."""
     import torch
@@ -130,6 +132,7 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
     assert [int((enqueued == s).sum()) for s in range(1, 10)] == [16] * 9  # 16 keys of each of steps 1-9
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_resume_with_other_model_settings_errors_or_warns_naming_each(tmp_path):
     (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 3"))
     exe = str(Path(sys.executable).with_name("moco-lightning"))

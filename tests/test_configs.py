@@ -71,7 +71,10 @@ def pretrain_checkpoint(tmp: Path) -> Path:
     return next(tmp.rglob("*.ckpt"))
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(c, marks=pytest.mark.slow) if "ddp" in c else c for c in CONFIGS],  # DDP: processes
+)
 def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeypatch, one_torch_thread):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["moco-lightning"])

@@ -77,6 +77,7 @@ def test_grayscale_and_linear_evaluation_views(tmp_path):
     assert x.shape == (4, 1, 32, 32) and y.shape == (4,)
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_trains_moco_through_the_cli_with_backend_dali(tmp_path):
     """The issue's must-show: configs/moco_v2.yaml with --data.init_args.backend dali, on the CPU."""
     import subprocess
@@ -132,6 +133,7 @@ def test_views_are_seeded_by_the_seed(tmp_path):
     assert np.isfinite(a.numpy()).all()
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_pipeline_seed_is_the_same_in_every_process():
     """Python salts string hashes per process: the former hash((seed, epoch, rank, "pretrain")) drew other views in
     a resumed run. Two processes with different PYTHONHASHSEED must agree."""

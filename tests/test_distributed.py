@@ -21,6 +21,8 @@ from moco_lightning.distributed import concat_all_gather, shuffle_across_ranks, 
 from moco_lightning.queue import KeyQueue
 from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
 
+pytestmark = pytest.mark.slow  # several processes
+
 B, STEPS = 4, 3  # per-rank batch, optimizer steps
 
 

@@ -393,6 +393,7 @@ def test_worker_loader_resumes_mid_epoch_with_the_same_views(tmp_path):
     assert len(list(resumed)) == 4  # the persistent workers' next epoch starts at its first batch
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_loaders_with_workers_are_freed_at_once_and_leave_no_worker_behind(tmp_path):
     """An evaluation loader with worker processes, iterated and dropped, is freed by reference counting alone (no
     cycle through its index sampler) and its workers are gone: before, they lived until the cyclic collector ran, and

@@ -136,6 +136,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):
     bank_loader, val_loader = loaders()
     one = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10)

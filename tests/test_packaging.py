@@ -6,9 +6,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_wheel_installs_one_namespace_and_imports(tmp_path):
     subprocess.run(
         [

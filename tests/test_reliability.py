@@ -92,6 +92,7 @@ INTERRUPTIONS = {  # how a run is stopped mid-epoch: (callback, the exit code, t
 }  # fmt: skip
 
 
+@pytest.mark.slow  # a subprocess / several processes
 @pytest.mark.parametrize("devices", [1, 2])
 def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninterrupted_one(devices, tmp_path):
     """SIGKILL at the end of step 7 (mid-epoch: 10 steps an epoch with one process, 5 with two; the last checkpoint
@@ -145,6 +146,7 @@ def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninte
         _assert_equal(final, _final_state(tmp_path / "whole" / "last.ckpt"), f"{interrupt}: checkpoint")
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_slurm_requeue_saves_at_a_step_boundary_and_the_requeued_job_continues_bit_equal(tmp_path):
     """Under SLURM with auto-requeue, SIGUSR1 at the end of step 7: Lightning's requeue (hpc_ckpt_1.ckpt,
     ``scontrol requeue <job>``) runs at that step boundary instead of inside the signal handler mid-step; the

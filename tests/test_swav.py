@@ -120,6 +120,7 @@ def _sinkhorn_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(codes, os.path.join(out_dir, f"codes_{rank}.pt"))
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
     """Each rank's codes of its 4 images equal its rows of one process's codes of all 8: the equal partition over
     the prototypes is of the global batch."""
@@ -159,6 +160,7 @@ class PrototypesAtEachStep(Callback):
         torch.save(self.seen, os.path.join(self.out_dir, f"prototypes{trainer.global_rank}.pt"))
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_ddp_prototypes_stay_identical_on_both_ranks_and_unchanged_while_frozen(tmp_path):
     """A 2-rank SwAV fit (gloo, spawn), prototypes frozen for the first epoch (2 steps): they do not move while frozen,
     move after, and are the same on both ranks at every step (each rank sees other images: a prototype gradient that

@@ -63,6 +63,7 @@ def test_without_tensorboard_they_warn_and_do_nothing(seeded, tmp_path, logger_k
     assert not list(tmp_path.rglob("projector_config.pbtxt"))
 
 
+@pytest.mark.slow  # a subprocess / several processes
 def test_the_tensorboard_server_serves_our_scalars_views_and_projector(seeded, tmp_path):
     """The real client: ``tensorboard`` started on a short MoCo run's folder (no sleeps: it names its own port once it
     serves, with the logs loaded), stopped by its PID."""
