@@ -18,15 +18,13 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -103,37 +101,6 @@ def config_path(name: str) -> Path:
     return path if path.suffix == ".yaml" and path.exists() else CONFIGS / f"{name}.yaml"
 
 
-# --- timing --------------------------------------------------------------------------------------------------
-def time_per_call(fn: Callable[[], object], n: int, warmup: int = 1) -> float:
-    """Seconds per call of ``fn``: ``warmup`` untimed calls, then the mean of ``n`` timed calls."""
-    for _ in range(warmup):
-        fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n
-
-
-def interleaved(cases: Dict[str, Callable[[], float]], repeats: int) -> Dict[str, List[float]]:
-    """Runs every case once per repeat (order reversed every other repeat); each call returns one measurement."""
-    names = list(cases)
-    out: Dict[str, List[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            out[name].append(cases[name]())
-    return out
-
-
-def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
-    """Median over repeats of a[r] / b[r] (both measured in the same repeat, so slow drift cancels)."""
-    return statistics.median(x / y for x, y in zip(a, b))
-
-
-def spread(v: Sequence[float], scale: float = 1e3, fmt: str = "{:.0f}") -> str:
-    """'median [min-max]' of a list of seconds, in ms by default."""
-    return f"{fmt.format(statistics.median(v) * scale)} [{fmt.format(min(v) * scale)}-{fmt.format(max(v) * scale)}]"
-
-
 def print_table(rows: List[List[str]], head: List[str]) -> None:
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
 
@@ -169,27 +136,6 @@ def trainer_kwargs(max_steps: int, callbacks: list, **extra) -> dict:
     return kw
 
 
-class StepClock:
-    """A Lightning callback recording ``perf_counter`` at every ``on_train_batch_end``: the interval between two is
-    one whole loop iteration (the end-of-step hooks, fetching + augmenting the next batch, the next step)."""
-
-    def __new__(cls, *a, **k):  # the Callback subclass is built lazily so that importing this file stays cheap
-        from lightning.pytorch import Callback
-
-        class _StepClock(Callback):
-            def __init__(self) -> None:
-                self.ends: List[float] = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-                self.ends.append(time.perf_counter())
-
-            def seconds(self, warmup: int, steps: int) -> float:
-                """Wall time of iterations warmup+1 ... warmup+steps (1-based)."""
-                return self.ends[warmup + steps - 1] - self.ends[warmup - 1]
-
-        return _StepClock(*a, **k)
-
-
 # --- data and evaluation --------------------------------------------------------------------------------------
 def fashion_mnist(split: str) -> tuple[Tensor, Tensor]:
     """uint8 images (N, 1, 28, 28) and int64 labels of the ``"train"`` (60k) or ``"test"`` (10k) split."""
@@ -220,14 +166,11 @@ def features(module: nn.Module, images: Tensor, labels: Tensor) -> tuple[Tensor,
     return embed(module, eval_loader(images, labels), torch.device("cpu"), gather=False, normalize=False)
 
 
-def knn_top1(bank: Tensor, bank_y: Tensor, queries: Tensor, queries_y: Tensor, k: int = 200, t: float = 0.1) -> float:
-    """The README's protocol: weighted kNN (k 200, T 0.1, cosine), the library's ``knn_counts``."""
-    from moco_lightning.callbacks.knn import knn_counts
+def knn_top1(bank: Tensor, bank_y: Tensor, queries: Tensor, queries_y: Tensor, k: int = 200) -> float:
+    """The README's protocol: weighted kNN (k 200, T 0.1, cosine): :func:`moco_lightning.evaluate.knn_top1`."""
+    from moco_lightning.evaluate import knn_top1 as library_knn_top1
 
-    counts = knn_counts(
-        F.normalize(queries, dim=1), queries_y, F.normalize(bank, dim=1), bank_y, 10, k=k, temperature=t, topk=(1,)
-    )
-    return counts[0].item() / counts[1].item()
+    return library_knn_top1((bank, bank_y), (queries, queries_y), 10, k)
 
 
 #: the low-label linear probe: this fraction of each class of the bank, trained for this many optimizer steps
@@ -240,12 +183,11 @@ def low_label_probe(
     """Top-1 of a linear classifier on frozen, standardised features of ``fraction`` of each class of the bank
     (seeded, class-stratified: the library's ``balanced_subset``): Adam, batches of 256, at least ``LOW_LABEL_STEPS``
     steps and 20 epochs (``fraction=1``: the full-label probe of :func:`evaluate`)."""
-    from moco_lightning.callbacks import probe_accuracy
     from moco_lightning.datamodules.selection import balanced_subset
+    from moco_lightning.evaluate import linear_top1
 
     idx = balanced_subset(bank_y, fraction=fraction, seed=seed)
-    epochs = max(20, -(-LOW_LABEL_STEPS // -(-len(idx) // 256)))
-    return probe_accuracy(bank_f[idx], bank_y[idx], q_f, q_y, 10, epochs=epochs, seed=seed)
+    return linear_top1((bank_f[idx], bank_y[idx]), (q_f, q_y), 10, LOW_LABEL_STEPS, seed)
 
 
 def evaluate(

@@ -57,7 +57,7 @@ def part1(args, device: torch.device) -> None:
 
     _, dm = from_config(config_path("fashion_mnist_moco_v2"), f"--data.init_args.train_subset={args.batches * 256}")
     dm.setup()
-    ds = dm._splits["train"]
+    ds = dm.split_dataset("train")
     print(
         f"\n== Part 1: Fashion-MNIST, batch {dm.batch_size}, 2 views of 28 px (crop 0.2-1, flip, jitter 0.4 p 0.8) =="
     )

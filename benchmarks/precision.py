@@ -19,13 +19,14 @@ import time
 
 import torch
 
-from benchmarks._common import config_path, footer, from_config, header, interleaved, parser, print_table, quiet
+from benchmarks._common import config_path, footer, from_config, header, parser, print_table, quiet
+from benchmarks.timing import interleaved
 
 STEMS = ("imagenet", "cifar_stride2", "cifar")
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
-def step_seconds(stem: str, precision: str, batch: int, steps: int):
+def step_timer(stem: str, precision: str, batch: int, steps: int):
     """A callable timing ``steps`` training steps of the quickstart model with ``stem`` (one warm-up step first)."""
     model, _ = from_config(config_path("quickstart"), f"--model.stem={stem}")
     model.train().to(memory_format=torch.channels_last)
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     auto = auto_precision("cpu")
     rows = []
     for stem in args.stems:
-        cases = {prec: step_seconds(stem, prec, args.batch, args.steps) for prec in PRECISIONS}
+        cases = {prec: step_timer(stem, prec, args.batch, args.steps) for prec in PRECISIONS}
         times = interleaved(cases, args.repeats)
         fp32, bf16 = (sorted(times[p])[len(times[p]) // 2] for p in PRECISIONS)
         rows.append([stem, f"{1e3 * fp32:.0f}", f"{1e3 * bf16:.0f}", f"{fp32 / bf16:.2f}x", auto,

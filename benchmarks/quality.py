@@ -46,7 +46,6 @@ from benchmarks._common import (
     QE_CONFIG,
     QE_IMAGES,
     QE_OVERRIDES,
-    StepClock,
     config_path,
     evaluate,
     fashion_mnist,
@@ -62,6 +61,7 @@ from benchmarks._common import (
     reference_loader,
     trainer_kwargs,
 )
+from benchmarks.timing import seconds_per_step, steps_affordable
 
 
 # --- the evaluation sets -------------------------------------------------------------------------------------
@@ -139,10 +139,7 @@ class System:
 
     def seconds_per_step(self) -> float:
         """Wall time per step of a throwaway run: ``--timing-steps`` timed after ``--timing-warmup``."""
-        warmup, steps = self.args.timing_warmup, self.args.timing_steps
-        clock = StepClock()
-        self.fit(warmup + steps, [clock])
-        return clock.seconds(warmup, steps) / steps
+        return seconds_per_step(self.fit, self.args.timing_warmup, self.args.timing_steps)
 
 
 def budget_callback(
@@ -177,7 +174,7 @@ def budget_callback(
             from moco_lightning.plan import change_length
 
             step, old = trainer.global_step, trainer.max_steps
-            new = max(step + 1, int(budget_s * step / self.train_s))
+            new = steps_affordable(budget_s, step, self.train_s)
             if new != old:  # the lr and momentum schedules stretch over the steps the budget affords
                 change_length(trainer.lightning_module, new)
             self.replanned = (step, old, new)

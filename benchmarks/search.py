@@ -115,22 +115,25 @@ def overrides_of(params: dict, space: dict) -> list[str]:
     return [f"{space[name][0]}={value}" for name, value in params.items()]
 
 
-def step_seconds(args, config: str, *overrides: str) -> tuple[float, Any]:
+def config_step_seconds(args, config: str, *overrides: str) -> tuple[float, Any]:
     """(seconds per step, datamodule) of a config with overrides on this machine now: ``args.timing_steps`` steps
     timed after 2 warm-up steps, on a throw-away model, at ``args.precision``."""
     from lightning.pytorch import Trainer
 
-    from benchmarks._common import StepClock, trainer_kwargs
+    from benchmarks._common import trainer_kwargs
+    from benchmarks.timing import seconds_per_step
 
     model, data = from_config(config_path(config), *args.data_overrides, *overrides)
-    clock, warmup, steps = StepClock(), 2, args.timing_steps
-    Trainer(**trainer_kwargs(warmup + steps, [clock], precision=args.precision)).fit(model, datamodule=data)
-    return clock.seconds(warmup, steps) / steps, data
+
+    def fit(total: int, callbacks: list) -> None:
+        Trainer(**trainer_kwargs(total, callbacks, precision=args.precision)).fit(model, datamodule=data)
+
+    return seconds_per_step(fit, 2, args.timing_steps), data
 
 
 def qe_seconds(args) -> float:
     """Seconds of one quickstart epoch on this machine now: a few steps timed, scaled to the epoch's steps."""
-    step_s, data = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
+    step_s, data = config_step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
     epoch_steps = QE_IMAGES // data.batch_size
     seconds = step_s * epoch_steps
     print(f"1 QE = {seconds:.1f} s on this machine now ({QE_CONFIG} {' '.join(QE_OVERRIDES)}, {args.precision}: "
@@ -155,12 +158,12 @@ def study_qe(study, args) -> float:
 
 def step_ratio(args, overrides: list[str]) -> tuple[float, float, int, list[tuple[float, float]]]:
     """(the trial's step / the QE config's step, the trial's seconds per step, the QE config's steps in 1 QE, the
-    timings): both timed in turn, ``--timing-rounds`` times (:func:`step_seconds`), the medians, and each round's
+    timings): both timed in turn, ``--timing-rounds`` times (:func:`config_step_seconds`), the medians, and each round's
     (QE step, trial's step)."""
     rounds = []
     for _ in range(args.timing_rounds):
-        reference, qe_data = step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
-        own, _ = step_seconds(args, args.config, *overrides)
+        reference, qe_data = config_step_seconds(args, QE_CONFIG, *QE_OVERRIDES)
+        own, _ = config_step_seconds(args, args.config, *overrides)
         rounds.append((reference, own))
     ratio = statistics.median(own / reference for reference, own in rounds)
     return ratio, statistics.median(own for _, own in rounds), QE_IMAGES // qe_data.batch_size, rounds
@@ -169,8 +172,10 @@ def step_ratio(args, overrides: list[str]) -> tuple[float, float, int, list[tupl
 def steps_in_budget(args, overrides: list[str]) -> tuple[int, float, float]:
     """(steps, cost ratio, seconds per step) of a trial given ``--budget-qe``: as many steps as B QE (B epochs of
     the QE config) at the trial's cost ratio (:func:`step_ratio`)."""
+    from benchmarks.timing import steps_in_budget as planned
+
     ratio, step_s, qe_steps, _ = step_ratio(args, overrides)
-    return max(1, round(args.budget_qe * qe_steps / ratio)), ratio, step_s
+    return planned(args.budget_qe, qe_steps, ratio), ratio, step_s
 
 
 def plan_check(args, space: dict) -> None:

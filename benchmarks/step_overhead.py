@@ -31,20 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks._common import (
-    config_path,
-    footer,
-    from_config,
-    header,
-    interleaved,
-    paired_ratio,
-    parser,
-    print_table,
-    quiet,
-    spread,
-    time_per_call,
-    trainer_kwargs,
-)
+from benchmarks._common import config_path, footer, from_config, header, parser, print_table, quiet, trainer_kwargs
+from benchmarks.timing import interleaved, paired_ratio, spread, time_per_call
 
 
 def setup_model(args, *overrides: str):
@@ -91,7 +79,7 @@ def bare_step(model, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
     q = nn.Sequential(revert_split_bn(copy.deepcopy(model.backbone)), copy.deepcopy(model.projection_head)).train()
     k = copy.deepcopy(q).requires_grad_(False)
     opt = torch.optim.SGD(q.parameters(), lr=0.01, momentum=0.9)
-    layout = model._layout
+    layout = model.in_layout
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)

@@ -414,6 +414,11 @@ class InMemoryDataModule(TwoViewDataModule):
     def eval_val_dataloader(self) -> DataLoader:
         return self._loader(self._splits["val"], collate_fn=self._eval_collate(), persistent=False)
 
+    def split_dataset(self, split: str) -> ImageTensorDataset:
+        """The ``"train"`` or ``"val"`` split as loaded (images uint8, targets), what the loaders draw from."""
+        self._load_splits()
+        return self._splits[split]
+
     # --- low-label training (LinearClassifier's label_fraction / labels_per_class) -------------------
     def train_targets(self) -> Tensor:
         """The targets of the training split (as loaded, after ``train_subset``)."""

@@ -32,7 +32,7 @@ depend on ``num_workers`` and a resumed run sees the same views as an uninterrup
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
@@ -309,6 +309,11 @@ class ImageFolderDataModule(TwoViewDataModule):
         if self.backend == "dali":
             return self._dali(self._eval_splits["val"], "eval")
         return self._loader(self._eval_splits["val"], persistent=False)
+
+    def dali_train_loader(self, device: torch.device) -> Any:
+        """The pretraining loader of ``backend="dali"`` with its pipeline on ``device`` (after ``setup``; without a
+        trainer the loader would run a CPU pipeline): what a benchmark times outside a fit."""
+        return self._dali(self._splits["train"], "pretrain", device=device)
 
     def _dali(self, ds: ImageFileDataset, mode: str, shuffle: bool = True, device: Optional[torch.device] = None):
         """A DALI loader over the files of ``ds``, sharded over the trainer's ranks, on its device (``device``: this

@@ -112,9 +112,10 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
     # --- features ---------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
         """Backbone features: what evaluation and downstream use consume."""
-        return self.backbone(self._layout(x))
+        return self.backbone(self.in_layout(x))
 
-    def _layout(self, x: Tensor) -> Tensor:
+    def in_layout(self, x: Tensor) -> Tensor:
+        """``x`` in the encoders' memory format (channels-last with ``channels_last``)."""
         return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last and x.ndim == 4 else x
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:

@@ -64,7 +64,7 @@ class BYOL(Pretraining):
         """The symmetrised loss L(p₀, z₁') + L(p₁, z₀'); both views in one batch through each network. ``q``, ``k``:
         the first view's normalised prediction and the second view's target projection (for the diagnostics)."""
         x0, x1 = two_views(views, type(self).__name__)
-        x = self._layout(torch.cat([x0, x1]))
+        x = self.in_layout(torch.cat([x0, x1]))
         h = self.backbone(x)
         p0, p1 = self.prediction_head(self.projection_head(h)).float().chunk(2)
         with torch.no_grad():

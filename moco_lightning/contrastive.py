@@ -90,7 +90,7 @@ class Contrastive(Pretraining):
 
     def query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(features, q): backbone features and the L2-normalised query embedding (fp32)."""
-        h = self.backbone(self._layout(x))
+        h = self.backbone(self.in_layout(x))
         z = self.projection_head(h)
         if self.prediction_head is not None:  # v3: the predictor is on the query side only
             z = self.prediction_head(z)
@@ -110,12 +110,12 @@ class Contrastive(Pretraining):
     def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
         equal = self._equal_sizes
-        x_q, x_k = self._layout(views[0]), self._layout(views[1])  # once per view, not per encoder call
+        x_q, x_k = self.in_layout(views[0]), self.in_layout(views[1])  # once per view, not per encoder call
         local_views = views[2:]
         t = self.loss_terms(x_q, x_k, index)
         terms = list(t.pairs)
         if local_views:  # multi-crop: the query encoder alone, every local view against every global key
-            local_q = self.query(self._layout(torch.cat(list(local_views))))[1].chunk(len(local_views))
+            local_q = self.query(self.in_layout(torch.cat(list(local_views))))[1].chunk(len(local_views))
             terms += [(lq, gk, neg) for lq in local_q for _, gk, neg in terms[: len(t.queries)]]
         # in-batch negatives: each global key's all-gather once, however many terms contrast with it
         gathered: dict[int, tuple[Tensor, int]] = {}
@@ -177,7 +177,7 @@ class MomentumContrast(Contrastive):
     @torch.no_grad()
     def key(self, x: Tensor) -> Tensor:
         """k: the L2-normalised key embedding (fp32), without gradient; the batch is shuffled for BN in training."""
-        x = self._layout(x)
+        x = self.in_layout(x)
         shuffle = self._shuffle if self.training else "off"
         if shuffle == "off":
             return self._encode_key(x)

@@ -58,13 +58,13 @@ def knn_top1(bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], classe
 
 
 def linear_top1(
-    bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], classes: int, min_steps: int = 500
+    bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], classes: int, min_steps: int = 500, seed: int = 0
 ) -> float:
     """A linear classifier on frozen, standardised features: Adam, at least ``min_steps`` steps and 20 epochs."""
     from moco_lightning.callbacks import probe_accuracy
 
     epochs = max(20, math.ceil(min_steps / math.ceil(len(bank[1]) / 256)))
-    return probe_accuracy(bank[0], bank[1], queries[0], queries[1], classes, epochs=epochs)
+    return probe_accuracy(bank[0], bank[1], queries[0], queries[1], classes, epochs=epochs, seed=seed)
 
 
 def evaluate(

@@ -62,7 +62,7 @@ class SimCLR(Pretraining):
     def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """NT-Xent over both views (fp32 logits); the features of the first view for the callbacks."""
         x0, x1 = two_views(views, type(self).__name__)
-        h = self.backbone(self._layout(torch.cat([x0, x1])))
+        h = self.backbone(self.in_layout(torch.cat([x0, x1])))
         z0, z1 = self.projection_head(h).float().chunk(2)
         with torch.autocast(h.device.type, enabled=False):  # the similarities in fp32 under autocast
             loss = self.criterion(z0, z1)

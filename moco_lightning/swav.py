@@ -75,7 +75,7 @@ class SwAV(Pretraining):
 
     def scores(self, views: list[Tensor]) -> tuple[list[Tensor], Tensor]:
         """Prototype scores (fp32) of each view (one forward pass for views of one size); the first view's features."""
-        h = self.backbone(self._layout(torch.cat(views)))
+        h = self.backbone(self.in_layout(torch.cat(views)))
         z = nn.functional.normalize(self.projection_head(h).float(), dim=1)
         with torch.autocast(h.device.type, enabled=False):  # scores in fp32: Sinkhorn takes exp(score / 0.05)
             scores = self.prototypes(z)

@@ -208,7 +208,7 @@ def test_a_budget_is_planned_from_the_median_ratio_of_interleaved_timings(monkey
         calls.append(config)
         return next(timings), type("Data", (), dict(batch_size=128))()  # the quickstart's batch: 468 steps in 1 QE
 
-    monkeypatch.setattr(search, "step_seconds", fake)
+    monkeypatch.setattr(search, "config_step_seconds", fake)
     monkeypatch.setattr(search, "quiet", lambda: None)  # main's logging levels would outlive this test
     args = type("Args", (), dict(timing_rounds=3, budget_qe=2, config="fashion_mnist_long"))()
     steps, ratio, step_s = search.steps_in_budget(args, [])
@@ -342,6 +342,7 @@ def test_low_label_compares_linear_fine_tuned_scratch_and_pixels(tmp_path):
 
 def test_benchmarks_are_a_package_on_the_public_api():
     """No sys.path tricks and no private names of the library (a leading underscore in a module or a name)."""
+    import ast
     import re
 
     for path in (ROOT / "benchmarks").glob("*.py"):
@@ -349,6 +350,16 @@ def test_benchmarks_are_a_package_on_the_public_api():
         assert "sys.path.insert" not in text, path.name
         private = re.findall(r"moco_lightning(?:\.\w+)*\._\w+|from moco_lightning[.\w]* import [^\n]*\b_\w+", text)
         assert not private, (path.name, private)
+        # nor a private attribute of the library's objects (dm._splits, model._resume): a benchmark's own objects
+        # (self._x) and torch's debugging modules (torch._dynamo, torch._logging) aside
+        accessed = [
+            ast.unparse(node)
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, ast.Attribute)
+            and re.fullmatch(r"_[a-z]\w*", node.attr)
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "torch"))
+        ]
+        assert not accessed, (path.name, accessed)
 
 
 def test_precision_times_each_stem_under_fp32_and_bf16_and_says_what_auto_picks():
