@@ -187,19 +187,19 @@ def embed(
 
 def sum_across_ranks(x: Tensor) -> Tensor:
     """Element-wise sum of ``x`` over all ranks (a copy); ``x`` itself without a process group."""
-    if world_size() == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
+    return _all_reduced(x, dist.ReduceOp.SUM)
 
 
 def max_across_ranks(x: Tensor) -> Tensor:
     """Element-wise maximum of ``x`` over all ranks (a copy); ``x`` itself without a process group."""
+    return _all_reduced(x, dist.ReduceOp.MAX)
+
+
+def _all_reduced(x: Tensor, op: Any) -> Tensor:
     if world_size() == 1:
         return x
     x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    dist.all_reduce(x, op=op)
     return x
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -243,35 +243,17 @@ def view_settings(
 
 
 def batch_views(
-    preset: Preset,
-    image_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    min_scale: Optional[float] = None,
-    jitter_strength: float = 1.0,
-    blur: Optional[bool] = None,
+    preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], **settings: Any
 ) -> BatchViews:
-    """The tensor-path views of ``preset`` (see :func:`view_settings` for the arguments)."""
-    return view_settings(
-        preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur
-    ).batch_views(mean, std)
+    """The tensor-path views of ``preset``; ``settings``: the keyword arguments of :func:`view_settings`."""
+    return view_settings(preset, image_size, **settings).batch_views(mean, std)
 
 
 def pil_views(
-    preset: Preset,
-    image_size: int,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    min_scale: Optional[float] = None,
-    jitter_strength: float = 1.0,
-    blur: Optional[bool] = None,
+    preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], **settings: Any
 ) -> Callable:
-    """The PIL-path views of ``preset`` (see :func:`view_settings` for the arguments)."""
-    return view_settings(preset, image_size, min_scale=min_scale, jitter_strength=jitter_strength, blur=blur).pil_views(
-        mean, std
-    )
+    """The PIL-path views of ``preset``; ``settings`` as :func:`batch_views`."""
+    return view_settings(preset, image_size, **settings).pil_views(mean, std)
 
 
 def moco_v1(

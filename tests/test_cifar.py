@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.cli import built
 from helpers.data import training
 from helpers.files import write_cifar10, write_cifar100
 
@@ -159,21 +160,10 @@ def test_trains_moco_for_two_steps(tmp_path):
 
 
 def test_cifar10_config_instantiates(tmp_path, monkeypatch):
-    from lightning.pytorch import LightningDataModule
-    from lightning.pytorch.cli import LightningCLI
-
-    from moco_lightning import MoCo
-
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["moco-lightning"])
-    cli = LightningCLI(
-        MoCo,
-        LightningDataModule,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", str(ROOT / "configs" / "cifar10.yaml")],
-    )
-    hp, dm = cli.model.hparams, cli.datamodule
+    cli = built(ROOT / "configs" / "cifar10.yaml")
+    model, datamodule = cli.model, cli.datamodule
+    hp, dm = model.hparams, datamodule
     assert isinstance(dm, CIFAR10DataModule) and dm.batch_size == 512 and dm.views.scale == (0.08, 1.0)
     assert dm.views.blur_prob == (0.0, 0.0)
     assert (hp.backbone, hp.stem, hp.queue_size, hp.momentum, hp.temperature) == (

@@ -9,17 +9,18 @@ from helpers.cli import cli_main, in_process, run
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def two_steps(config: str, batch: int, train: int, val: int, *overrides: str):
+    """``moco-lightning fit`` of a shipped config for 2 steps (``fast_dev_run``) on a Fashion-MNIST subset."""
+    sizes = (f"--data.init_args.batch_size={batch}", f"--data.init_args.train_subset={train}")
+    return in_process(
+        "fit", "--config", str(ROOT / "configs" / config), "--trainer.fast_dev_run=2", *sizes,
+        f"--data.init_args.val_subset={val}", *overrides,
+    )  # fmt: skip
+
+
 def test_quickstart_config_runs_offline_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = in_process(
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--trainer.fast_dev_run=2",
-        "--data.init_args.batch_size=32",
-        "--data.init_args.train_subset=256",
-        "--data.init_args.val_subset=64",
-    )
+    cli = two_steps("quickstart.yaml", 32, 256, 64)
     assert cli.trainer.global_step == 2 and cli.trainer.state.finished
     assert {type(c).__name__ for c in cli.trainer.callbacks} >= {"KNNMonitor", "LinearProbe"}  # every callback ran
 
@@ -45,37 +46,19 @@ def test_python_dash_m_entry_point_prints_the_config(tmp_path):
 def test_swav_with_multi_crop_trains_through_the_cli(tmp_path, monkeypatch):
     """Another method from its shipped config (its class_path), with local views (the matrix has two views)."""
     monkeypatch.chdir(tmp_path)
-    cli = in_process(
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "swav_fashion_mnist.yaml"),
-        "--data.init_args.local_views=2",
-        "--data.init_args.local_size=12",
-        "--trainer.fast_dev_run=2",
+    cli = two_steps(
+        "swav_fashion_mnist.yaml", 32, 256, 64, "--data.init_args.local_views=2", "--data.init_args.local_size=12",
         "--trainer.callbacks=[]",
-        "--data.init_args.batch_size=32",
-        "--data.init_args.train_subset=256",
-        "--data.init_args.val_subset=64",
-    )
+    )  # fmt: skip
     assert cli.trainer.global_step == 2 and cli.trainer.state.finished and type(cli.model).__name__ == "SwAV"
 
 
 def test_a_timm_backbone_trains_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cli = in_process(
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--model.backbone=timm:resnet10t",
-        "--model.width=1.0",
-        "--model.stem=cifar",
-        "--model.channels_last=false",
-        "--trainer.fast_dev_run=2",
-        "--trainer.callbacks=[]",
-        "--data.init_args.batch_size=16",
-        "--data.init_args.train_subset=64",
-        "--data.init_args.val_subset=32",
-    )
+    cli = two_steps(
+        "quickstart.yaml", 16, 64, 32, "--model.backbone=timm:resnet10t", "--model.width=1.0", "--model.stem=cifar",
+        "--model.channels_last=false", "--trainer.callbacks=[]",
+    )  # fmt: skip
     assert cli.trainer.global_step == 2 and type(cli.model.backbone).__module__.startswith("timm")
 
 

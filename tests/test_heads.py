@@ -23,6 +23,10 @@ def layout(module: nn.Module) -> list:
     return out
 
 
+#: the official 2-layer predictor of MoCo v3 (256 -> 4096 -> 256), ResNet layout: no BN after the last Linear
+PREDICTOR = [("Linear", 256, 4096, False), ("BN", 4096, True), ("ReLU",), ("Linear", 4096, 256, False)]
+
+
 def test_resnet_heads_are_the_official_two_layer_projector_and_predictor_without_last_bn():
     projector, predictor = v3_heads(2048, 4096, 256, vit=False)
     assert layout(projector) == [
@@ -32,12 +36,7 @@ def test_resnet_heads_are_the_official_two_layer_projector_and_predictor_without
         ("Linear", 4096, 256, False),
         ("BN", 256, False),
     ]
-    assert layout(predictor) == [
-        ("Linear", 256, 4096, False),
-        ("BN", 4096, True),
-        ("ReLU",),
-        ("Linear", 4096, 256, False),
-    ]
+    assert layout(predictor) == PREDICTOR
 
 
 def test_vit_heads_are_the_official_three_layer_projector_and_predictor_with_last_bn():
@@ -52,13 +51,7 @@ def test_vit_heads_are_the_official_three_layer_projector_and_predictor_with_las
         ("Linear", 4096, 256, False),
         ("BN", 256, False),
     ]
-    assert layout(predictor) == [
-        ("Linear", 256, 4096, False),
-        ("BN", 4096, True),
-        ("ReLU",),
-        ("Linear", 4096, 256, False),
-        ("BN", 256, False),
-    ]
+    assert layout(predictor) == PREDICTOR + [("BN", 256, False)]  # ViT: the last BN too
 
 
 @pytest.mark.parametrize("backbone,vit", [("resnet18", False), ("vit", True)])

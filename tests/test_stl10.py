@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import built
 from helpers.data import training
 from helpers.files import write_stl10
 
@@ -131,19 +132,8 @@ def test_bad_arguments(tmp_path):
 
 
 def test_stl10_config_instantiates(tmp_path, monkeypatch):
-    from lightning.pytorch import LightningDataModule
-    from lightning.pytorch.cli import LightningCLI
-
-    from moco_lightning import MoCo
-
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["moco-lightning"])
-    cli = LightningCLI(
-        MoCo,
-        LightningDataModule,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", str(ROOT / "configs" / "stl10.yaml")],
-    )
-    assert isinstance(cli.datamodule, STL10DataModule) and cli.datamodule.image_size == 96
-    assert cli.model.hparams.image_size == 96 and cli.model.hparams.queue_size == 8192
+    cli = built(ROOT / "configs" / "stl10.yaml")
+    model, datamodule = cli.model, cli.datamodule
+    assert isinstance(datamodule, STL10DataModule) and datamodule.image_size == 96
+    assert model.hparams.image_size == 96 and model.hparams.queue_size == 8192

@@ -28,6 +28,14 @@ def in_process(*args: str, model: Optional[type] = None, quiet: bool = False) ->
         return run_cli(model, list(args))
 
 
+def built(config: Any, *overrides: str) -> Any:
+    """The CLI of ``moco-lightning fit --config config *overrides`` built (model, datamodule, Trainer), not run."""
+    from moco_lightning import MoCo, Pretraining
+    from moco_lightning.cli import make_cli
+
+    return make_cli(Pretraining, ["--config", str(config), *overrides], MoCo, run=False)
+
+
 def cli_main(*args: str) -> int:
     """``moco-lightning *args`` through its ``main`` in this process (every command: export, evaluate, linear...);
     its exit code."""

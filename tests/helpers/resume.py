@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .data import tiny_data
 from .models import tiny
 from .trainers import cpu_trainer
@@ -33,3 +35,14 @@ def assert_resumes_bit_equal(cls, tmp_path, **kwargs) -> None:
     for i, state in straight_opt["state"].items():
         for key, value in state.items():
             assert torch.equal(value, resumed_opt["state"][i][key]), (i, key)
+
+
+def key_state(model) -> dict:
+    """Copies of a model's momentum copy and dictionary (state-dict names ``key_*``, ``dictionary.*``)."""
+    return {k: v.clone() for k, v in model.state_dict().items() if k.startswith(("key_", "dictionary."))}
+
+
+def assert_states_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
