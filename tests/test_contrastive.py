@@ -6,10 +6,9 @@ import torch
 import torch.nn.functional as F
 from helpers.data import tiny_data
 from helpers.models import tiny_moco
-from helpers.resume import assert_states_equal, key_state
+from helpers.resume import assert_epoch_resume_bit_equal, assert_states_equal, key_state
 from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import EndToEnd, MemoryBankMoCo, MoCo
 from moco_lightning.negatives import InBatch
@@ -71,20 +70,12 @@ def test_multi_crop_key_encoder_never_sees_a_local_view_and_only_global_keys_are
 
 
 def test_multi_crop_resume_is_bit_equal(tmp_path):
-    def run(ckpt_path=None, callbacks=()):
-        seed_everything(0, verbose=False)
-        model = tiny_moco(symmetric=True, lr_schedule="cosine")
-        trainer = cpu_trainer(
-            max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), limit_val_batches=0
-        )
-        trainer.fit(model, tiny_data(local_views=2, local_size=14), ckpt_path=ckpt_path)
-        return model
-
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    straight = run(callbacks=[checkpoint])
-    resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_epoch_resume_bit_equal(
+        tmp_path,
+        lambda: tiny_moco(symmetric=True, lr_schedule="cosine"),
+        lambda: tiny_data(local_views=2, local_size=14),
+        limit_val_batches=0,
+    )
 
 
 def test_compiled_encoders_give_the_eager_loss_and_the_momentum_update_moves_the_real_weights(tmp_path):

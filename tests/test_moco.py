@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from helpers.data import tiny_data
 from helpers.models import tiny_moco
-from helpers.resume import assert_states_equal, key_state
+from helpers.resume import assert_epoch_resume_bit_equal, assert_states_equal, key_state
 from helpers.trainers import cpu_trainer
-from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import MoCo
@@ -220,20 +220,12 @@ def test_checkpoint_round_trip_is_bit_exact(seeded, tmp_path):
 
 
 def test_two_epochs_equal_one_epoch_resume_one_epoch(tmp_path):
-    def run(ckpt_path=None, callbacks=()):
-        seed_everything(0, verbose=False)
-        model = tiny_moco(momentum_schedule="cosine", lr_schedule="cosine", warmup_epochs=0.5)
-        trainer = cpu_trainer(
-            max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks), limit_val_batches=1
-        )
-        trainer.fit(model, tiny_data(), ckpt_path=ckpt_path)
-        return model
-
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
-    straight = run(callbacks=[checkpoint])
-    resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert_epoch_resume_bit_equal(
+        tmp_path,
+        lambda: tiny_moco(momentum_schedule="cosine", lr_schedule="cosine", warmup_epochs=0.5),
+        lambda: tiny_data(),
+        limit_val_batches=1,
+    )
 
 
 def test_step_checkpoints_hold_the_steps_momentum_update_and_keys(seeded, tmp_path):

@@ -46,3 +46,22 @@ def assert_states_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def assert_epoch_resume_bit_equal(tmp_path, model_fn, data_fn, **trainer_kwargs) -> None:
+    """Two epochs straight, and the same run resumed from its first epoch's checkpoint: the same state at the end."""
+    from lightning.pytorch import seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(ckpt_path=None, callbacks=()):
+        seed_everything(0, verbose=False)
+        model = model_fn()
+        trainer = cpu_trainer(max_epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks),
+                              **trainer_kwargs)  # fmt: skip
+        trainer.fit(model, data_fn(), ckpt_path=ckpt_path)
+        return model
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    straight = run(callbacks=[checkpoint])
+    resumed = run(ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert_states_equal(straight.state_dict(), resumed.state_dict())
