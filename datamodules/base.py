@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from moco_lightning.compat import augment_states_per_rank
 from moco_lightning.errors import ConfigError
 
+from .selection import check_subset_size
 from .transforms import ViewSettings, linear_eval_views
 
 
@@ -430,11 +431,7 @@ class InMemoryDataModule(TwoViewDataModule):
         self._load_splits()
         ds = self._splits["train"]
         indices = torch.as_tensor(indices, dtype=torch.long)
-        if len(indices) < self.batch_size:
-            raise ConfigError(
-                f"the labelled subset has {len(indices)} images, fewer than batch_size={self.batch_size} (training "
-                "drops the last partial batch, so nothing would be trained): lower data.batch_size or use more labels"
-            )
+        check_subset_size(len(indices), self.batch_size)
         self._splits["train"] = ImageTensorDataset(ds.images[indices], ds.targets[indices])
 
     # --- helpers ----------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from .images import (
     scan_image_folder,
     spread,
 )
+from .selection import check_subset_size
 from .transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -77,7 +78,8 @@ class ImageFolderDataModule(TwoViewDataModule):
         batch_size, seed, pretrain: see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
         train_subset, val_subset: N files evenly spaced over the sorted list (so every class is kept).
         image_size: side of the views and of the evaluation centre crop.
-        num_workers: decoding processes (0: in the main process).
+        num_workers: decoding processes (0: in the main process; None: the CPUs this process may use less one for
+            the training loop, at most 16: :func:`default_workers`).
         preset, min_scale, jitter_strength, blur: view augmentation (:mod:`~.transforms`).
         local_views, local_size, local_scale: multi-crop (SwAV §3.2: 6 views of 96 px, scale 0.05-0.14, at 224).
         backend: ``"pil"`` (DataLoader workers decode with PIL) or ``"dali"`` (NVIDIA DALI decodes and augments, on
@@ -101,7 +103,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         val_dir: Optional[str] = "val",
         batch_size: int = 256,
         image_size: int = 224,
-        num_workers: int = 8,
+        num_workers: Optional[int] = None,
         seed: int = 0,
         pretrain: bool = True,
         preset: Preset = "moco_v2",
@@ -155,7 +157,8 @@ class ImageFolderDataModule(TwoViewDataModule):
             )
         else:  # the views are made in the workers
             views = None
-        super().__init__(batch_size, image_size, num_workers, seed, pretrain, views)
+        workers = default_workers() if num_workers is None else num_workers
+        super().__init__(batch_size, image_size, workers, seed, pretrain, views)
         self.view_settings: ViewSettings = settings
         self.data_dir, self.train_dir, self.val_dir = data_dir, train_dir, val_dir
         self.preset, self.augment_on, self.eval_resize, self.backend = preset, augment_on, eval_resize, backend
@@ -271,6 +274,24 @@ class ImageFolderDataModule(TwoViewDataModule):
             "for unlabelled pretraining."
         )
 
+    # --- label subsets (evaluate's label budgets, LinearClassifier's label_fraction) -------------
+    def train_targets(self) -> torch.Tensor:
+        """The class of every training image (after ``train_subset``), in the order :meth:`select_train` indexes."""
+        self.setup()
+        return self._splits["train"].targets.clone()
+
+    def select_train(self, indices: Sequence[int]) -> None:
+        """Keeps only these training images (positions in :meth:`train_targets`): a labelled subset."""
+        self.setup()
+        ds = self._splits["train"]
+        chosen = torch.as_tensor(indices, dtype=torch.long).tolist()
+        check_subset_size(len(chosen), self.batch_size)
+        samples = [(ds.paths[i], int(ds.targets[i])) for i in chosen]
+        self._splits["train"] = self._dataset(samples, self._train_make(), stream=0)
+        self._eval_splits["train"] = self._dataset(
+            samples, self._eval_make(), stream=2, same_files=self._splits["train"]
+        )
+
     # --- loaders -------------------------------------------------------------------------------
     def train_dataloader(self) -> DataLoader:
         ds = self._splits["train"]
@@ -345,3 +366,12 @@ class ImageFolderDataModule(TwoViewDataModule):
             ds,
             self.dali_fused_crop,
         )
+
+
+def default_workers() -> int:
+    """Decoding processes for this machine: the CPUs this process may use, less one for the training loop (at least
+    1, at most 16)."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(16, max(1, cpus - 1))

@@ -44,6 +44,15 @@ def balanced_subset(
     return torch.cat(chosen).sort().values if chosen else torch.zeros(0, dtype=torch.long)
 
 
+def check_subset_size(n: int, batch_size: int) -> None:
+    """A labelled subset must fill one training batch (training drops the last partial batch)."""
+    if n < batch_size:
+        raise ConfigError(
+            f"the labelled subset has {n} images, fewer than batch_size={batch_size} (training drops the last "
+            "partial batch, so nothing would be trained): lower data.batch_size or use more labels"
+        )
+
+
 def select_labels(
     dm: Any, targets: Optional[Tensor], fraction: Optional[float], per_class: Optional[int], seed: int, trainer: Any
 ) -> Tensor:

@@ -79,9 +79,12 @@ def evaluate(
     fine_tune: bool = True,
     scratch: bool = True,
     pixels: bool = True,
+    per_class: Sequence[int] = (),
 ) -> dict:
     """The figures of :mod:`moco_lightning.evaluate` for the encoder of ``ckpt`` (a checkpoint of any method, or an
-    export) on ``datamodule`` (an in-memory datamodule of this library; default: Fashion-MNIST's test split).
+    export) on ``datamodule`` (any datamodule with evaluation loaders, ``num_classes`` and, for the label budgets,
+    ``train_targets()`` / ``select_train()``: every datamodule of this library, image folders included; default:
+    Fashion-MNIST's test split). Label budgets: ``fractions`` of each class and ``per_class`` images of each class.
     ``full_linear``, ``fine_tune``, ``scratch``, ``pixels``: measure those columns (a search skips the costly ones and
     the raw pixels, which do not change between its trials)."""
     from lightning.pytorch import seed_everything
@@ -116,10 +119,12 @@ def evaluate(
             out["rows"].setdefault("linear, all labels", {})[name] = linear_top1(train, held, classes)
     out["fractions"] = {}
     targets = splits["encoder"][0][1]
-    for fraction in fractions:
-        idx = balanced_subset(targets, fraction=fraction, seed=seed)
+    budgets = [(f"{f:g}", dict(fraction=f)) for f in fractions] + [(f"{n}/class", dict(per_class=n)) for n in per_class]
+    for key, budget in budgets:
+        idx = balanced_subset(targets, seed=seed, **budget)
         row = {
             "labels": len(idx),
+            "share": len(idx) / n_train,
             "linear": linear_top1(tuple(t[idx] for t in splits["encoder"][0]), splits["encoder"][1], classes),
         }
         if pixels:
@@ -130,27 +135,29 @@ def evaluate(
         for column, from_scratch, wanted in (("fine_tuned", False, fine_tune), ("from_scratch", True, scratch)):
             if not wanted:
                 continue
-            progress(f"evaluate: {fraction:g} of the labels ({len(idx)}): {column.replace('_', ' ')}, {n_steps} steps")
+            progress(f"evaluate: {key} of the labels ({len(idx)}): {column.replace('_', ' ')}, {n_steps} steps")
             seed_everything(seed, verbose=False)
-            row[column] = _finetune(ckpt, copy.deepcopy(template), fraction, n_steps, from_scratch, seed, batch)
+            row[column] = _finetune(ckpt, copy.deepcopy(template), budget, n_steps, from_scratch, seed, batch)
         if fine_tune and scratch:
             row["fine_tuned_minus_scratch"] = row["fine_tuned"] - row["from_scratch"]
-        out["fractions"][f"{fraction:g}"] = row
+        out["fractions"][key] = row
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
-def _finetune(ckpt: str, data: Any, fraction: float, steps: int, scratch: bool, seed: int, batch: int = BATCH) -> float:
-    """Held-out top-1 of ``LinearClassifier`` fine-tuned (or from scratch) on ``fraction`` of the labels of ``data``
-    (a fresh datamodule: the labelled subset replaces its training split), in batches of ``batch``."""
+def _finetune(ckpt: str, data: Any, budget: dict, steps: int, scratch: bool, seed: int, batch: int = BATCH) -> float:
+    """Held-out top-1 of ``LinearClassifier`` fine-tuned (or from scratch) on a label ``budget`` of ``data``
+    (``{"fraction": f}`` or ``{"per_class": n}``; a fresh datamodule: the labelled subset replaces its training split),
+    in batches of ``batch``."""
     from lightning.pytorch import Trainer
 
     from moco_lightning.linear_eval import LinearClassifier
 
     data.batch_size = batch
     recipe = dict(FINETUNE, backbone_lr=None) if scratch else FINETUNE
-    model = LinearClassifier(ckpt_path=str(ckpt), label_fraction=fraction, label_seed=seed, finetune=True,
-                             from_scratch=scratch, **recipe)  # fmt: skip
+    labels = dict(label_fraction=budget.get("fraction"), labels_per_class=budget.get("per_class"))
+    model = LinearClassifier(ckpt_path=str(ckpt), **labels, label_seed=seed, finetune=True, from_scratch=scratch,
+                             **recipe)  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -178,11 +185,12 @@ def markdown(result: dict) -> str:
             "| labels | linear, frozen | linear, raw pixels | fine-tuned | from scratch | fine-tuned − scratch |",
             "|---|---|---|---|---|---|",
         ]
-        for fraction, r in result["fractions"].items():
+        for key, r in result["fractions"].items():
             gap = r.get("fine_tuned_minus_scratch")
             gap = "-" if gap is None else f"{100 * gap:+.2f}"
+            budget = f"{key.split('/')[0]} per class" if "/" in key else f"{100 * float(key):g} %"
             lines.append(
-                f"| {100 * float(fraction):g} % ({r['labels']}) | {pct(r['linear'])} | {pct(r.get('linear_pixels'))} | "
+                f"| {budget} ({r['labels']}) | {pct(r['linear'])} | {pct(r.get('linear_pixels'))} | "
                 f"{pct(r.get('fine_tuned'))} | {pct(r.get('from_scratch'))} | {gap} |"
             )
     return "\n".join(lines)
@@ -204,13 +212,14 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fractions = [float(f) for f in result["fractions"]]
+    fractions = [r["share"] if "share" in r else float(k) for k, r in result["fractions"].items()]  # of the train split
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("linear", "linear, frozen"), ("linear_pixels", "linear, raw pixels"),
                        ("fine_tuned", "fine-tuned"), ("from_scratch", "from scratch")):  # fmt: skip
         if any(key not in r for r in result["fractions"].values()):
             continue
         xs, ys = fractions, [100 * r[key] for r in result["fractions"].values()]
+        xs, ys = (list(v) for v in zip(*sorted(zip(xs, ys))))  # fraction and per-class budgets in one line
         if key.startswith("linear") and "linear, all labels" in result["rows"]:  # the full-label linear at 100 %
             xs, ys = (
                 xs + [1.0],

@@ -65,3 +65,30 @@ def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", *bad])
         assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_image_folder_is_evaluated_with_fraction_and_per_class_budgets(tmp_path, capsys):
+    """A user's labelled folder (JPEG and PNG, RGB, read as grayscale for the 1-channel fixture encoder): kNN, linear,
+    and fine-tuned / from scratch at 50 % of the labels and at 2 images per class (the batch adapts: 4 images);
+    --data_dir is the shorthand of a folder with train/ and val/, --config takes any datamodule's class path."""
+    import yaml
+    from helpers.files import write_tree
+
+    write_tree(tmp_path / "photos", n_per_class=6, classes=("cat", "dog", "fox"))
+    args = ["--fractions", "0.5", "--per_class", "2", "--steps", "2", "--k", "3"]
+    config = {"data": {"class_path": "moco_lightning.datamodules.ImageFolderDataModule",
+                       "init_args": {"data_dir": str(tmp_path / "photos"), "image_size": 28, "in_channels": 1,
+                                     "batch_size": 4, "num_workers": 0}}}  # fmt: skip
+    (tmp_path / "folder.yaml").write_text(yaml.safe_dump(config))
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--config", str(tmp_path / "folder.yaml"), *args, "--out",
+          str(tmp_path / "out")])  # fmt: skip
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "out" / "evaluate.json").read_text())
+    assert result["classes"] == 3 and result["train_images"] == 18 and result["eval_images"] == 18
+    assert set(result["fractions"]) == {"0.5", "2/class"} and "| 2 per class (6) |" in out and "| 50 % (9) |" in out
+    two = result["fractions"]["2/class"]
+    assert two["labels"] == 6 and two["batch"] == 6 and two["steps"] == 2 and two["share"] == pytest.approx(6 / 18)
+    assert all(0.0 <= two[k] <= 1.0 for k in ("linear", "fine_tuned", "from_scratch"))
+    with pytest.raises(SystemExit) as exit_:  # a folder has no held-out end of its training split
+        main(["evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(tmp_path / "photos"), "--split", "val"])
+    assert exit_.value.code == 2 and "--split val holds out the end of the training split" in capsys.readouterr().err

@@ -435,3 +435,14 @@ def test_loaders_with_workers_are_freed_at_once_and_leave_no_worker_behind(tmp_p
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "can only test a child process" not in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_number_of_workers_follows_the_machine(tmp_path, monkeypatch):
+    import os
+
+    from moco_lightning.datamodules.image_folder import default_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert default_workers() == 1 and ImageFolderDataModule(str(tmp_path)).num_workers == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert default_workers() == 16 and ImageFolderDataModule(str(tmp_path), num_workers=3).num_workers == 3

@@ -14,13 +14,20 @@ from ..errors import ConfigError
 from ..evaluate import HOLDOUT, evaluate, markdown, plot, run_name
 
 
-def datamodule_of(config: Optional[str], split: str, fast: bool) -> Any:
-    """The evaluation datamodule: the ``data:`` section of ``config`` (default: Fashion-MNIST) with the evaluation
-    views, ``holdout`` for ``split="val"``, and the first 2000 / 500 images for ``fast``."""
+def datamodule_of(config: Optional[str], split: str, fast: bool, data_dir: Optional[str] = None) -> Any:
+    """The evaluation datamodule: the ``data:`` section of ``config`` (any datamodule class path), an image folder
+    ``data_dir`` (``train/`` and ``val/`` of class folders), or Fashion-MNIST; with the evaluation views, ``holdout``
+    for ``split="val"``, and the first 2000 / 500 images for ``fast``."""
+    import importlib
+
     from jsonargparse import ArgumentParser
     from lightning.pytorch import LightningDataModule
 
     data: dict = {"class_path": "moco_lightning.datamodules.FashionMNISTDataModule", "init_args": {}}
+    if config and data_dir:
+        raise ConfigError("give --config (its data: section) or --data_dir (an image folder), not both")
+    if data_dir:
+        data = {"class_path": "moco_lightning.datamodules.ImageFolderDataModule", "init_args": {"data_dir": data_dir}}
     if config:
         import yaml
 
@@ -28,26 +35,64 @@ def datamodule_of(config: Optional[str], split: str, fast: bool) -> Any:
         if not section:
             raise ConfigError(f"--config {config}: no data: section (the datamodule to evaluate on)")
         data = section
-    from moco_lightning.datamodules import InMemoryDataModule
-
-    module, _, name = str(data.get("class_path", "")).rpartition(".")
-    cls = getattr(__import__(module, fromlist=[name]), name, None) if module.startswith("moco_lightning.") else None
-    if not (isinstance(cls, type) and issubclass(cls, InMemoryDataModule)):
+    path = str(data.get("class_path", ""))
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError as e:
+        raise ConfigError(f"evaluate: data.class_path {path!r}: cannot import {module} ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
+        raise ConfigError(f"evaluate: data.class_path {path!r} is not a LightningDataModule")
+    missing = [m for m in ("eval_train_dataloader", "eval_val_dataloader") if not hasattr(cls, m)]
+    if missing:
         raise ConfigError(
-            f"evaluate: data.class_path {data.get('class_path')!r}: evaluate runs on the in-memory datamodules of "
-            "moco_lightning.datamodules (Fashion-MNIST, CIFAR-10/100, STL-10): the label fractions need their "
-            "train_targets() and select_train()"
+            f"evaluate: {name} has no {' / '.join(missing)}: evaluate reads the features of the training split (the "
+            "kNN bank, the linear classifiers' training set) and of the evaluation split through them, in evaluation "
+            "views (image, target); add them to your datamodule, as moco_lightning.datamodules' have"
         )
-    init = dict(data.get("init_args") or {}, pretrain=False, supervised_min_scale=1.0)
+    accepted = _arguments(cls)
+    init = dict(data.get("init_args") or {})
+    init.update({k: v for k, v in (("pretrain", False), ("supervised_min_scale", 1.0)) if k in accepted})
     for key in ("local_views", "local_size", "erase_prob", "translate", "rotation"):
         init.pop(key, None)  # pretraining views: not used by evaluation
     if split == "val":
+        if "holdout" not in accepted:
+            raise ConfigError(
+                f"--split val holds out the end of the training split, which {name} cannot do (no holdout argument): "
+                "keep a validation folder apart from the test folder and point --config / --data_dir at it"
+            )
         init["holdout"] = HOLDOUT if not fast else 500
     if fast:
-        init.update(train_subset=2000, val_subset=500)
+        init.update({k: v for k, v in (("train_subset", 2000), ("val_subset", 500)) if k in accepted})
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
     return parser.instantiate_classes(parser.parse_object({"data": {**data, "init_args": init}})).data
+
+
+def _arguments(cls: type) -> set:
+    """The constructor arguments of a datamodule class and, through ``**kwargs``, of its bases."""
+    import inspect
+
+    from lightning.pytorch import LightningDataModule
+
+    names: set = set()
+    for c in cls.__mro__:
+        if c is LightningDataModule or not issubclass(c, LightningDataModule):
+            break
+        if "__init__" in vars(c):
+            names |= {p.name for p in inspect.signature(c.__init__).parameters.values() if p.name != "self"}
+    return names
+
+
+def check_label_budgets(dm: Any, budgets: int) -> None:
+    """Label budgets need the datamodule's ``train_targets()`` and ``select_train()``."""
+    missing = [m for m in ("train_targets", "select_train") if not hasattr(dm, m)]
+    if budgets and missing:
+        raise ConfigError(
+            f"evaluate: the label budgets (--fractions / --per_class) need {type(dm).__name__}.{' and .'.join(missing)}"
+            "() (the training split's targets, and keeping a subset of it: every datamodule of moco_lightning has "
+            "them); add them, or give --fractions with no value to measure kNN and the full-label linear alone"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -62,9 +107,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument(
         "--config", default=None, help="a YAML whose data: section is the datamodule (default Fashion-MNIST)"
     )
+    p.add_argument("--data_dir", default=None, help="an image folder: train/ and val/ of class folders (or --config)")
     p.add_argument("--split", choices=("test", "val"), default="test", help="val: the last 10000 training images")
     p.add_argument(
         "--fractions", type=float, nargs="*", default=None, help="label fractions (default 0.01 0.1; --fast: 0.05)"
+    )
+    p.add_argument(
+        "--per_class", type=int, nargs="*", default=[], help="label budgets in images per class (e.g. 10 100)"
     )
     p.add_argument("--k", type=int, nargs="+", default=[20, 200], help="kNN neighbours (default 20 200)")
     p.add_argument(
@@ -84,10 +133,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.exit(2, f"moco-lightning evaluate: error: --steps {steps}: give at least 1 fine-tuning step\n")
     if any(not 0 < f <= 1 for f in fractions):
         p.exit(2, f"moco-lightning evaluate: error: --fractions {fractions}: each must be in (0, 1]\n")
+    if any(n < 1 for n in args.per_class):
+        p.exit(2, f"moco-lightning evaluate: error: --per_class {args.per_class}: each must be at least 1\n")
     try:
-        result = evaluate(
-            args.ckpt, datamodule_of(args.config, args.split, args.fast), fractions, args.k, steps, args.seed
-        )
+        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir)
+        check_label_budgets(dm, len(fractions) + len(args.per_class))
+        result = evaluate(args.ckpt, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning evaluate: error: {e}\n")
     result["split"] = args.split
