@@ -72,15 +72,11 @@ def checkpoint_backbone(
     return state
 
 
-def load_encoder(
-    source: str | Path,
-    weights: bool = True,
-    expect: Literal["export", "either"] = "either",
-    arg: str = "model.ckpt_path",
-) -> tuple[nn.Module, int]:
-    """``(backbone, feature_dim)`` of ``source``, a checkpoint of any pretraining method or an export (``expect``:
-    exports only); ``weights=False``: the same architecture, randomly initialised (a from-scratch baseline).
-    One-line errors naming the file and ``arg``, the setting that gave it."""
+def encoder_of(
+    source: str | Path, expect: Literal["export", "either"] = "either", arg: str = "model.ckpt_path"
+) -> tuple[OrderedDict, dict]:
+    """``(backbone state dict, architecture)`` of ``source``, a checkpoint of any pretraining method or an export
+    (``expect``: exports only); one-line errors naming the file and ``arg``, the setting that gave it."""
     obj = read_checkpoint(source, expect=expect, arg=arg)
     state = obj if architecture_in(obj) is not None else None
     if state is None and expect == "export":
@@ -96,6 +92,18 @@ def load_encoder(
             f"{source}: the file does not name its backbone (pretrained with a backbone module of your own, or not a "
             "file of this library): pass that module as `backbone` and the file as its weights"
         )
+    return state, architecture
+
+
+def load_encoder(
+    source: str | Path,
+    weights: bool = True,
+    expect: Literal["export", "either"] = "either",
+    arg: str = "model.ckpt_path",
+) -> tuple[nn.Module, int]:
+    """``(backbone, feature_dim)`` of ``source`` (:func:`encoder_of`); ``weights=False``: the same architecture,
+    randomly initialised (a from-scratch baseline)."""
+    state, architecture = encoder_of(source, expect, arg)
     backbone, dim = build_backbone(**architecture)
     if weights:
         backbone.load_state_dict(state, strict=True)

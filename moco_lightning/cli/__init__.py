@@ -72,6 +72,10 @@ def main(args: Optional[list[str]] = None) -> None:
         from .evaluate import main as evaluate_main
 
         return evaluate_main(argv[1:])
+    if argv[:1] == ["embed"]:
+        from ..embed import main as embed_main
+
+        return embed_main(argv[1:])
     if argv[:1] == ["linear"]:
         from .linear import main as linear_main
 

@@ -1,0 +1,93 @@
+"""``moco-lightning embed``: the features of every image of a folder, for search, clustering or a plot.
+
+    moco-lightning embed --ckpt runs/my_run/version_0/checkpoints/last.ckpt --data my_images --out embeddings
+
+writes ``embeddings/features.npy`` (float32, one row an image: ``numpy.load(path, mmap_mode="r")`` reads it without
+loading it) and ``embeddings/index.csv`` (``row,path,label``: the class folder's name, empty for a folder without
+class folders). The images go through the evaluation transform of the encoder's input (its channels and size from
+the file; resize to size / 0.875, centre crop, normalise with ImageNet's mean and std, or their averages for one
+channel: ``--mean`` / ``--std`` / ``--resize`` for others), in batches on the fastest device here.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .errors import ConfigError
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def embed_folder(
+    ckpt: str | Path,
+    data: str | Path,
+    out: str | Path,
+    mean: Optional[Sequence[float]] = None,
+    std: Optional[Sequence[float]] = None,
+    resize: Optional[int] = None,
+    batch_size: int = 256,
+    num_workers: Optional[int] = None,
+) -> tuple[Path, Path]:
+    """Writes the features of every image below ``data`` (class folders or images alone) to ``out``; returns the
+    paths of ``features.npy`` and ``index.csv``."""
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    from .callbacks import embed
+    from .datamodules.image_folder import default_workers
+    from .datamodules.images import Deterministic, ImageFileDataset, scan_image_folder
+    from .datamodules.transforms import eval_transform
+    from .encoder import encoder_of, load_encoder
+
+    if not Path(data).is_dir():
+        raise ConfigError(f"--data {data}: not a folder; give the folder of your images (class folders or not)")
+    architecture = encoder_of(ckpt, arg="--ckpt")[1]
+    backbone = load_encoder(ckpt, arg="--ckpt")[0]
+    channels, size = architecture.get("in_channels", 3), architecture.get("image_size", 224)
+    mean = tuple(mean or (IMAGENET_MEAN if channels == 3 else (0.449,) * channels))
+    std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))
+    samples, classes = scan_image_folder(Path(data))
+    images = ImageFileDataset(samples, Deterministic(eval_transform(size, mean, std, resize)), channels, 0, 0)
+    workers = default_workers() if num_workers is None else num_workers
+    loader = DataLoader(images, batch_size=batch_size, num_workers=workers)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    features, _ = embed(backbone.to(device), loader, device, gather=False, normalize=False)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "features.npy", features.float().cpu().numpy())
+    with open(folder / "index.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["row", "path", "label"])
+        for row, (path, target) in enumerate(samples):
+            writer.writerow([row, path, classes[target] if target >= 0 else ""])
+    return folder / "features.npy", folder / "index.csv"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    import argparse
+
+    doc = (__doc__ or "").split("\n\n")
+    p = argparse.ArgumentParser(prog="moco-lightning embed", description=doc[0], epilog="\n\n".join(doc[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--ckpt", required=True, help="a checkpoint of any pretraining method, or an export (.pt)")
+    p.add_argument("--data", required=True, help="the folder of images (class folders, or images alone)")
+    p.add_argument("--out", required=True, help="the folder for features.npy and index.csv")
+    p.add_argument("--mean", type=float, nargs="+", default=None, help="normalisation (default ImageNet's)")
+    p.add_argument("--std", type=float, nargs="+", default=None)
+    p.add_argument("--resize", type=int, default=None, help="shorter side before the centre crop (size / 0.875)")
+    p.add_argument("--batch_size", type=int, default=256)
+    p.add_argument("--num_workers", type=int, default=None, help="decoding processes (default: CPUs less one)")
+    args = p.parse_args(argv)
+    try:
+        features, index = embed_folder(args.ckpt, args.data, args.out, args.mean, args.std, args.resize,
+                                       args.batch_size, args.num_workers)  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        p.exit(2, f"moco-lightning embed: error: {e}\n")
+    import numpy as np
+
+    shape = np.load(features, mmap_mode="r").shape
+    print(f"wrote {features} ({shape[0]} images x {shape[1]} features, float32) and {index}")
