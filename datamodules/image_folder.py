@@ -94,6 +94,10 @@ class ImageFolderDataModule(TwoViewDataModule):
         mean, std: normalisation (default: ImageNet's; for one channel their averages, 0.449 and 0.226).
         eval_resize: shorter side before the evaluation centre crop (default ``image_size / 0.875``).
         skip_bad_images: replace unreadable files by a readable image of the same class, with one warning.
+        unlabelled_dirs: more folders of images for pretraining only (relative to ``data_dir`` or absolute; class
+            folders in them are ignored): pretraining sees them beside ``train_dir``, while the kNN bank and the
+            linear probe use the labelled ``train_dir`` and the queries ``val_dir`` (the usual case: many unlabelled
+            images, a few labelled ones).
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         skip_bad_images: bool = False,
         train_subset: Optional[int] = None,
         val_subset: Optional[int] = None,
+        unlabelled_dirs: Sequence[str] = (),
     ) -> None:
         if in_channels not in (1, 3):
             raise ConfigError(f"in_channels must be 1 (grayscale) or 3 (RGB), got {in_channels}")
@@ -164,6 +169,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         self.preset, self.augment_on, self.eval_resize, self.backend = preset, augment_on, eval_resize, backend
         self.dali_fused_crop = dali_fused_crop
         self.skip_bad_images, self.train_subset, self.val_subset = skip_bad_images, train_subset, val_subset
+        self.unlabelled_dirs = list(unlabelled_dirs)
         self._classes: Optional[List[str]] = None
         self._splits: dict[str, ImageFileDataset] = {}
         self._eval_splits: dict[str, ImageFileDataset] = {}
@@ -254,17 +260,29 @@ class ImageFolderDataModule(TwoViewDataModule):
             if not classes:  # unlabelled pretraining: val labels mean nothing to it
                 val = [(p, -1) for p, _ in val]
         train, val = spread(train, self.train_subset), spread(val, self.val_subset)
-        self._splits["train"] = self._dataset(train, self._train_make(), stream=0)
+        pretrain_on = train + self._unlabelled() if self.pretrain else train
+        self._splits["train"] = self._dataset(pretrain_on, self._train_make(), stream=0)
         if val:
             self._splits["val"] = self._dataset(val, self._train_make(), stream=1)
-        self._eval_splits["train"] = self._dataset(train, self._eval_make(), stream=2, same_files=self._splits["train"])
+        labelled_files = self._splits["train"] if pretrain_on is train else None  # one registry of bad files per list
+        self._eval_splits["train"] = self._dataset(train, self._eval_make(), stream=2, same_files=labelled_files)
         if val:
             self._eval_splits["val"] = self._dataset(val, self._eval_make(), stream=3, same_files=self._splits["val"])
-        if self.pretrain and len(train) < self.batch_size:
+        if self.pretrain and len(pretrain_on) < self.batch_size:
             raise ConfigError(
-                f"batch_size={self.batch_size} is larger than the {len(train)} training images in {self.train_root} "
-                "(pretraining drops the last partial batch): lower batch_size or add images"
+                f"batch_size={self.batch_size} is larger than the {len(pretrain_on)} training images in "
+                f"{self.train_root} (pretraining drops the last partial batch): lower batch_size or add images"
             )
+
+    def _unlabelled(self) -> List[Tuple[str, int]]:
+        """The images of ``unlabelled_dirs`` (target -1, whatever folders they sit in)."""
+        found: List[Tuple[str, int]] = []
+        for folder in self.unlabelled_dirs:
+            root = Path(self.data_dir).expanduser() / folder  # an absolute folder stays itself
+            if not root.is_dir():
+                raise ConfigError(f"unlabelled_dirs: {root} is not a folder; give folders of images")
+            found += [(p, -1) for p, _ in scan_image_folder(root)[0]]
+        return found
 
     def _unlabelled_message(self, what: str) -> str:
         return (

@@ -446,3 +446,30 @@ def test_the_number_of_workers_follows_the_machine(tmp_path, monkeypatch):
     assert default_workers() == 1 and ImageFolderDataModule(str(tmp_path)).num_workers == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert default_workers() == 16 and ImageFolderDataModule(str(tmp_path), num_workers=3).num_workers == 3
+
+
+def test_unlabelled_folders_join_pretraining_while_the_knn_bank_stays_labelled(tmp_path, seeded):
+    """Many unlabelled images beside a few labelled ones: pretraining draws from both, the kNN bank and the linear
+    probe see the labelled training folder alone, the queries the labelled val folder."""
+    from helpers.models import tiny_backbone, tiny_moco
+    from helpers.trainers import cpu_trainer
+
+    from moco_lightning.callbacks import KNNMonitor
+
+    write_tree(tmp_path)  # train/ and val/: 2 classes of 4
+    more = tmp_path / "more"
+    more.mkdir()
+    for i in range(6):
+        smooth_rgb(100 + i).save(more / f"{i}.jpg")
+    dm = ImageFolderDataModule(str(tmp_path), unlabelled_dirs=["more"], batch_size=4, image_size=16, num_workers=0,
+                               augment_on="workers")  # fmt: skip
+    dm.setup()
+    pretraining, bank = dm.train_dataloader().dataset, dm.eval_train_dataloader().dataset
+    assert len(pretraining) == 8 + 6 and (pretraining.targets == -1).sum() == 6
+    assert len(bank) == 8 and set(bank.targets.tolist()) == {0, 1} and dm.num_classes == 2
+    model = tiny_moco(backbone=tiny_backbone(3), in_channels=3, image_size=16, queue_size=8)
+    knn = KNNMonitor(k=3)
+    cpu_trainer(max_steps=3, callbacks=[knn], limit_val_batches=1).fit(model, datamodule=dm)
+    assert model.global_step == 3 and knn.history and all(0.0 <= acc <= 1.0 for _, acc in knn.history)
+    with pytest.raises(ValueError, match="unlabelled_dirs: .*nowhere is not a folder"):
+        ImageFolderDataModule(str(tmp_path), unlabelled_dirs=["nowhere"], batch_size=4, num_workers=0).setup()
