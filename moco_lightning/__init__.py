@@ -3,6 +3,7 @@ beside it for comparison."""
 
 from .base import Pretraining
 from .byol import BYOL
+from .encoder import load_transform
 from .end_to_end import EndToEnd
 from .export import load_backbone
 from .memory_bank_moco import MemoryBankMoCo
@@ -25,4 +26,5 @@ __all__ = [
     "__version__",
     "auto_precision",
     "load_backbone",
+    "load_transform",
 ]

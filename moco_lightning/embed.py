@@ -4,9 +4,9 @@
 
 writes ``embeddings/features.npy`` (float32, one row an image: ``numpy.load(path, mmap_mode="r")`` reads it without
 loading it) and ``embeddings/index.csv`` (``row,path,label``: the class folder's name, empty for a folder without
-class folders). The images go through the evaluation transform of the encoder's input (its channels and size from
-the file; resize to size / 0.875, centre crop, normalise with ImageNet's mean and std, or their averages for one
-channel: ``--mean`` / ``--std`` / ``--resize`` for others), in batches on the fastest device here.
+class folders). The images go through the encoder's own evaluation transform, as the checkpoint or export records it
+(:func:`moco_lightning.encoder.load_transform`; ``--mean`` / ``--std`` / ``--resize`` replace it), in batches on
+the fastest device here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from typing import Optional, Sequence
 import torch
 
 from .errors import ConfigError
-
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def embed_folder(
@@ -41,17 +39,21 @@ def embed_folder(
     from .datamodules.image_folder import default_workers
     from .datamodules.images import Deterministic, ImageFileDataset, scan_image_folder
     from .datamodules.transforms import eval_transform
-    from .encoder import encoder_of, load_encoder
+    from .encoder import IMAGENET_MEAN, IMAGENET_STD, encoder_of, load_encoder, load_transform
 
     if not Path(data).is_dir():
         raise ConfigError(f"--data {data}: not a folder; give the folder of your images (class folders or not)")
     architecture = encoder_of(ckpt, arg="--ckpt")[1]
     backbone = load_encoder(ckpt, arg="--ckpt")[0]
     channels, size = architecture.get("in_channels", 3), architecture.get("image_size", 224)
-    mean = tuple(mean or (IMAGENET_MEAN if channels == 3 else (0.449,) * channels))
-    std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))
+    if mean is None and std is None and resize is None:
+        transform = load_transform(ckpt)
+    else:
+        mean = tuple(mean or (IMAGENET_MEAN if channels == 3 else (0.449,) * channels))
+        std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))
+        transform = eval_transform(size, mean, std, resize)
     samples, classes = scan_image_folder(Path(data))
-    images = ImageFileDataset(samples, Deterministic(eval_transform(size, mean, std, resize)), channels, 0, 0)
+    images = ImageFileDataset(samples, Deterministic(transform), channels, 0, 0)
     workers = default_workers() if num_workers is None else num_workers
     loader = DataLoader(images, batch_size=batch_size, num_workers=workers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,12 +9,15 @@ torchvision-style state dict whose ``_metadata`` names its architecture: the bac
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import nn
+from torchvision.transforms import Compose
 
 from .backbones import build_backbone, is_backbone_spec
 from .checkpoint_io import read_checkpoint
@@ -23,6 +26,8 @@ from .errors import ConfigError
 
 ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
 ARCHITECTURE_KEY = "moco_lightning"  # the key of the architecture in an export's _metadata
+TRANSFORM_KEY = "moco_lightning_transform"  # and of the evaluation transform (mean, std, size, channels, resize)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def architecture_of(hparams: dict) -> Optional[dict]:
@@ -67,8 +72,10 @@ def checkpoint_backbone(
     if not state:
         raise ConfigError(f"{path}: no {prefix}* weights in its state_dict")
     architecture = architecture_of(checkpoint.get("hyper_parameters") or {})
+    transform = (checkpoint.get("moco_lightning") or {}).get("eval_transform")
     if architecture is not None:
-        state._metadata = OrderedDict({ARCHITECTURE_KEY: architecture})  # type: ignore[attr-defined]
+        described = {ARCHITECTURE_KEY: architecture, **({TRANSFORM_KEY: transform} if transform else {})}
+        state._metadata = OrderedDict(described)  # type: ignore[attr-defined]
     return state
 
 
@@ -108,6 +115,32 @@ def load_encoder(
     if weights:
         backbone.load_state_dict(state, strict=True)
     return backbone, dim
+
+
+def load_transform(source: str | Path, arg: str = "--ckpt") -> Callable:
+    """The evaluation transform of ``source``'s encoder (a checkpoint or an export): any PIL image to the tensor the
+    encoder takes (its channels, resize and centre crop, normalisation), as recorded at pretraining; for a file
+    that records none (moco-lightning before 0.3, a datamodule of your own), ImageNet's mean and std (or their
+    averages for one channel) at the encoder's size, with a warning."""
+    from .datamodules.images import to_mode
+    from .datamodules.transforms import eval_transform
+
+    state, architecture = encoder_of(source, arg=arg)
+    recorded = (getattr(state, "_metadata", None) or {}).get(TRANSFORM_KEY)
+    if recorded is None:
+        warnings.warn(
+            f"{source} does not record its evaluation transform: ImageNet's mean and std assumed at "
+            f"{architecture.get('image_size', 224)} px; if the encoder was trained on other statistics, give them",
+            stacklevel=2,
+        )
+        channels = architecture.get("in_channels", 3)
+        recorded = dict(
+            image_size=architecture.get("image_size", 224), in_channels=channels, resize=None,
+            mean=IMAGENET_MEAN if channels == 3 else (0.449,), std=IMAGENET_STD if channels == 3 else (0.226,),
+        )  # fmt: skip
+    size, channels = recorded["image_size"], recorded["in_channels"]
+    steps = eval_transform(size, recorded["mean"], recorded["std"], recorded.get("resize"))
+    return Compose([partial(to_mode, channels=channels), steps])
 
 
 def load_weights(backbone: nn.Module, source: str | Path, arg: str = "model.ckpt_path") -> None:

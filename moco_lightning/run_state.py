@@ -173,8 +173,25 @@ def save_state(module: Resumable, checkpoint: dict) -> None:
     plan = module.step_plan.state_dict() if module.step_plan is not None else None
     cls = type(module)
     checkpoint["moco_lightning"] = metadata(
-        step_plan=plan, momentum_copies=module.momentum_copies(), module=f"{cls.__module__}.{cls.__qualname__}"
+        step_plan=plan,
+        momentum_copies=module.momentum_copies(),
+        module=f"{cls.__module__}.{cls.__qualname__}",
+        eval_transform=eval_transform_of(getattr(trainer, "datamodule", None)),
     )
+
+
+def eval_transform_of(datamodule: Any) -> Optional[dict]:
+    """What the encoder's evaluation images are (``mean``, ``std``, ``image_size``, ``in_channels``, ``resize``):
+    recorded in checkpoints and exports, so that features of new images are taken as in training; None for a
+    datamodule that does not say."""
+    values = {k: getattr(datamodule, k, None) for k in ("mean", "std", "image_size", "in_channels")}
+    if any(v is None for v in values.values()):
+        return None
+    values["mean"], values["std"] = [float(v) for v in values["mean"]], [float(v) for v in values["std"]]
+    # an image folder resizes its shorter side to eval_resize (None: size / 0.875) and centre-crops; in-memory
+    # datasets are their whole image at image_size
+    resize = datamodule.eval_resize if hasattr(datamodule, "eval_resize") else values["image_size"]
+    return {**values, "resize": resize}
 
 
 def restore_state(module: Resumable, checkpoint: dict) -> dict:

@@ -47,3 +47,34 @@ def test_a_module_of_ones_own_takes_the_files_weights_and_a_nameless_checkpoint_
     assert dim == 16 and torch.equal(chosen.state_dict()["0.weight"], model.backbone.state_dict()["0.weight"])
     with pytest.raises(ConfigError, match="LinearClassifier needs a backbone"):
         choose_encoder(None, None, "model.ckpt_path", True, None)
+
+
+def test_a_checkpoint_and_its_export_record_the_evaluation_transform(tmp_path, seeded):
+    """Features of new images are taken as in training: the datamodule's mean, std, size and channels ride in the
+    checkpoint and in the export, and load_transform rebuilds them; an older file says what it assumes."""
+    from helpers.data import tiny_data
+    from helpers.trainers import cpu_trainer
+    from PIL import Image
+
+    from moco_lightning import MoCo, load_transform
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    model = MoCo(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, stem="cifar", hidden_dim=16, dim=8,
+                 queue_size=32, bn_splits=2)  # fmt: skip
+    trainer = cpu_trainer(max_steps=1, limit_val_batches=0)
+    trainer.fit(model, tiny_data())
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    recorded = torch.load(tmp_path / "run.ckpt", weights_only=True)["moco_lightning"]["eval_transform"]
+    fm = FashionMNISTDataModule
+    assert recorded == dict(mean=list(fm.mean), std=list(fm.std), image_size=28, in_channels=1, resize=28)
+    export_backbone(tmp_path / "run.ckpt", tmp_path / "b.pt")
+    image = Image.fromarray((torch.rand(40, 30, 3) * 255).byte().numpy())  # an RGB photo of another size
+    from_ckpt, from_export = load_transform(tmp_path / "run.ckpt")(image), load_transform(tmp_path / "b.pt")(image)
+    assert from_ckpt.shape == (1, 28, 28) and torch.equal(from_ckpt, from_export)
+    from torchvision import transforms as T
+
+    # grayscale, the shorter side resized to 28, the centre cropped, normalised with the recorded values
+    expected = T.Compose([T.Resize(28), T.CenterCrop(28), T.ToTensor(), T.Normalize(fm.mean, fm.std)])
+    assert torch.equal(from_ckpt, expected(image.convert("L")))
+    with pytest.warns(UserWarning, match="does not record its evaluation transform: ImageNet's mean and std"):
+        assert load_transform(FIXTURE_CKPT)(image).shape == (1, 28, 28)
