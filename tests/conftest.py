@@ -30,9 +30,3 @@ def seeded():
 
     seed_everything(0, verbose=False)
     return 0
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slow tests first (stable order otherwise): with two xdist workers, the long subprocess and benchmark tests
-    start at once and the short ones fill in around them, instead of one worker waiting on a long test at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
