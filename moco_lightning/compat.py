@@ -20,13 +20,15 @@ REMOVED_IN = "0.4.0"  # the release that stops reading the formats of 0.1 and 0.
 CURRENT_FORMAT = 4  # moco_lightning.run_state.FORMAT_VERSION: formats below it are upgraded here
 
 
-def constructor_arguments(cls: type) -> set[str]:
-    """The arguments ``cls(...)`` accepts: its ``__init__``'s and, through ``**kwargs``, its bases' (to Lightning's)."""
+def constructor_arguments(cls: type, root: Optional[type] = None) -> set[str]:
+    """The arguments ``cls(...)`` accepts: its ``__init__``'s and, through ``**kwargs``, its bases' up to ``root``
+    (Lightning's ``LightningModule`` by default; ``LightningDataModule`` for a datamodule)."""
     from lightning.pytorch import LightningModule
 
+    root = root or LightningModule
     names: set[str] = set()
     for c in cls.__mro__:
-        if c is LightningModule or not issubclass(c, LightningModule):
+        if c is root or not issubclass(c, root):
             break
         if "__init__" in vars(c):
             params = inspect.signature(c.__init__).parameters.values()

@@ -39,15 +39,15 @@ def embed_folder(
     from .datamodules.image_folder import default_workers
     from .datamodules.images import Deterministic, ImageFileDataset, scan_image_folder
     from .datamodules.transforms import eval_transform
-    from .encoder import IMAGENET_MEAN, IMAGENET_STD, encoder_of, load_encoder, load_transform
+    from .encoder import IMAGENET_MEAN, IMAGENET_STD, encoder_from, encoder_of, transform_of
 
     if not Path(data).is_dir():
         raise ConfigError(f"--data {data}: not a folder; give the folder of your images (class folders or not)")
-    architecture = encoder_of(ckpt, arg="--ckpt")[1]
-    backbone = load_encoder(ckpt, arg="--ckpt")[0]
+    state, architecture = encoder_of(ckpt, arg="--ckpt")  # the file read once
+    backbone = encoder_from(state, architecture)[0]
     channels, size = architecture.get("in_channels", 3), architecture.get("image_size", 224)
     if mean is None and std is None and resize is None:
-        transform = load_transform(ckpt)
+        transform = transform_of(state, architecture, ckpt)
     else:
         mean = tuple(mean or (IMAGENET_MEAN if channels == 3 else (0.449,) * channels))
         std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))

@@ -110,7 +110,11 @@ def load_encoder(
 ) -> tuple[nn.Module, int]:
     """``(backbone, feature_dim)`` of ``source`` (:func:`encoder_of`); ``weights=False``: the same architecture,
     randomly initialised (a from-scratch baseline)."""
-    state, architecture = encoder_of(source, expect, arg)
+    return encoder_from(*encoder_of(source, expect, arg), weights)
+
+
+def encoder_from(state: Any, architecture: dict, weights: bool = True) -> tuple[nn.Module, int]:
+    """``(backbone, feature_dim)`` of a file's backbone state and architecture (:func:`encoder_of`) read already."""
     backbone, dim = build_backbone(**architecture)
     if weights:
         backbone.load_state_dict(state, strict=True)
@@ -122,16 +126,20 @@ def load_transform(source: str | Path, arg: str = "--ckpt") -> Callable:
     encoder takes (its channels, resize and centre crop, normalisation), as recorded at pretraining; for a file
     that records none (moco-lightning before 0.3, a datamodule of your own), ImageNet's mean and std (or their
     averages for one channel) at the encoder's size, with a warning."""
+    return transform_of(*encoder_of(source, arg=arg), source)
+
+
+def transform_of(state: Any, architecture: dict, source: Any) -> Callable:
+    """:func:`load_transform` of a file's backbone state and architecture (:func:`encoder_of`) read already."""
     from .datamodules.images import to_mode
     from .datamodules.transforms import eval_transform
 
-    state, architecture = encoder_of(source, arg=arg)
     recorded = (getattr(state, "_metadata", None) or {}).get(TRANSFORM_KEY)
     if recorded is None:
         warnings.warn(
             f"{source} does not record its evaluation transform: ImageNet's mean and std assumed at "
             f"{architecture.get('image_size', 224)} px; if the encoder was trained on other statistics, give them",
-            stacklevel=2,
+            stacklevel=3,
         )
         channels = architecture.get("in_channels", 3)
         recorded = dict(

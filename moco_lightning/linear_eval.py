@@ -34,7 +34,7 @@ from . import _lightning
 from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
 from .continuity import Continuing
-from .datamodules.selection import check_classification_data, select_labels, training_targets
+from .datamodules.selection import check_classification_data, check_label_subset, select_labels, training_targets
 from .encoder import choose_encoder
 from .errors import RANGES, ConfigError, check_arguments
 
@@ -53,8 +53,8 @@ def check_combinations(args: dict) -> None:
             "from_scratch=True trains the whole network from a random initialisation, finetune=False freezes the "
             "backbone: set finetune true (or leave it unset), or drop from_scratch"
         )
-    if args["label_fraction"] is not None and args["labels_per_class"] is not None:
-        raise ConfigError("give exactly one of label_fraction (in (0, 1]) and labels_per_class (>= 1)")
+    if args["label_fraction"] is not None or args["labels_per_class"] is not None:
+        check_label_subset(args["label_fraction"], args["labels_per_class"])
     if args["ckpt_path"] is not None and args["backbone_state_dict"] is not None:
         raise ConfigError("give either ckpt_path or backbone_state_dict, not both")
     lr, backbone_lr = args["lr"], args["backbone_lr"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import evaluate as measure
+from ..compat import constructor_arguments
 from ..errors import ConfigError
 from ..evaluate import HOLDOUT, evaluate, markdown, plot, run_name
 
@@ -50,7 +51,7 @@ def datamodule_of(config: Optional[str], split: str, fast: bool, data_dir: Optio
             "kNN bank, the linear classifiers' training set) and of the evaluation split through them, in evaluation "
             "views (image, target); add them to your datamodule, as moco_lightning.datamodules' have"
         )
-    accepted = _arguments(cls)
+    accepted = constructor_arguments(cls, LightningDataModule)
     init = dict(data.get("init_args") or {})
     init.update({k: v for k, v in (("pretrain", False), ("supervised_min_scale", 1.0)) if k in accepted})
     for key in ("local_views", "local_size", "erase_prob", "translate", "rotation"):
@@ -67,21 +68,6 @@ def datamodule_of(config: Optional[str], split: str, fast: bool, data_dir: Optio
     parser = ArgumentParser(exit_on_error=False)
     parser.add_subclass_arguments(LightningDataModule, "data")
     return parser.instantiate_classes(parser.parse_object({"data": {**data, "init_args": init}})).data
-
-
-def _arguments(cls: type) -> set:
-    """The constructor arguments of a datamodule class and, through ``**kwargs``, of its bases."""
-    import inspect
-
-    from lightning.pytorch import LightningDataModule
-
-    names: set = set()
-    for c in cls.__mro__:
-        if c is LightningDataModule or not issubclass(c, LightningDataModule):
-            break
-        if "__init__" in vars(c):
-            names |= {p.name for p in inspect.signature(c.__init__).parameters.values() if p.name != "self"}
-    return names
 
 
 def check_label_budgets(dm: Any, budgets: int) -> None:
