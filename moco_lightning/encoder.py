@@ -153,11 +153,42 @@ def transform_of(state: Any, architecture: dict, source: Any) -> Callable:
 
 def load_weights(backbone: nn.Module, source: str | Path, arg: str = "model.ckpt_path") -> None:
     """Loads into ``backbone`` (a module of the user's own) the weights of ``source``: a checkpoint of pretraining
-    (its ``backbone.*`` entries), or a plain state dict of the backbone (keys with or without ``backbone.``)."""
+    (its ``backbone.*`` entries), or a plain state dict of the backbone (keys with or without ``backbone.``). When the
+    file names the architecture it was pretrained as, ``backbone`` must compute its features
+    (:func:`check_same_features`): weights that load strictly into another stem compute other features."""
     obj = read_checkpoint(source, expect="either", arg=arg)
     state = obj.get("state_dict", obj)
     prefixed = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
     backbone.load_state_dict(prefixed if prefixed else state, strict=True)
+    architecture = architecture_in(obj) or (architecture_of(obj.get("hyper_parameters") or {}) if prefixed else None)
+    if architecture is not None:
+        check_same_features(backbone, encoder_from(backbone.state_dict(), architecture)[0], architecture, source, arg)
+
+
+def check_same_features(module: nn.Module, reference: nn.Module, architecture: dict, source: Any, arg: str) -> None:
+    """Refuses, in one line, a ``module`` that computes other features than ``reference`` (the architecture the
+    weights were pretrained as, holding the same weights) on two random images of the recorded size, in eval mode."""
+    size, channels = architecture.get("image_size", 224), architecture.get("in_channels", 3)
+    x = torch.randn(2, channels, size, size, generator=torch.Generator().manual_seed(0))
+    modes = [m.training for m in module.modules()]
+    try:
+        with torch.no_grad():
+            expected = reference.eval()(x).flatten(1)
+            got = module.eval()(x.to(next(module.parameters(), x).device)).flatten(1).to(expected.device)
+        cosine = float(nn.functional.cosine_similarity(got, expected).min()) if got.shape == expected.shape else None
+    except RuntimeError as e:
+        cosine, expected = None, str(e).splitlines()[0]
+    finally:
+        for m, mode in zip(module.modules(), modes):
+            m.training = mode
+    if cosine is None or cosine < 0.999:
+        differs = f"cosine {cosine:.2f} to" if cosine is not None else "no features comparable with"
+        trained = ", ".join(f"{k} {v}" for k, v in architecture.items())
+        raise ConfigError(
+            f"{arg} {source}: your backbone module loads these weights but computes other features ({differs} those "
+            f"of the architecture they were pretrained as: {trained}); build it with moco_lightning.load_backbone or "
+            "moco_lightning.backbones.build_backbone(**that architecture)"
+        )
 
 
 def choose_encoder(

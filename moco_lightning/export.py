@@ -1,29 +1,37 @@
-"""Hand-off: the pretrained backbone as a plain state dict, for torchvision and any downstream code.
+"""Hand-off: the pretrained backbone for torchvision, detection, serving and any downstream code.
 
     moco-lightning export --ckpt runs/quickstart/version_0/checkpoints/last.ckpt --out backbone.pt
 
-    backbone = moco_lightning.load_backbone("backbone.pt")   # rebuilt from the file's own description
+    backbone, transform = moco_lightning.load_backbone("backbone.pt", with_transform=True)
 
-The file is a torchvision-style state dict (``torch.load`` it and ``load_state_dict`` it strictly into the same
-architecture) that also says what it holds: the backbone's name, ``width``, ``in_channels``, ``stem`` and
-``image_size`` ride in the state dict's ``_metadata`` (where ``state_dict()`` keeps its version numbers, ignored by
-``load_state_dict``), so :func:`load_backbone` rebuilds the architecture without the settings it was trained with.
-Any method's checkpoint (MoCo, MoCo v3, SimCLR, BYOL, SwAV) exports its ``backbone``; ``--encoder key``: MoCo's key
-encoder or BYOL's target.
+``--format torchvision`` (the default) writes a torchvision-style state dict (``torch.load`` it and ``load_state_dict``
+it strictly into the same architecture) that also says what it holds: the backbone's name, ``width``,
+``in_channels``, ``stem`` and ``image_size``, and the evaluation transform of pretraining, ride in the state dict's
+``_metadata`` (where ``state_dict()`` keeps its version numbers, ignored by ``load_state_dict``), so
+:func:`load_backbone` rebuilds the architecture without the settings it was trained with. ``detectron2`` and
+``torchvision-detection`` hand a ResNet to detection (:mod:`moco_lightning.detection`); ``onnx``, ``pt2`` and
+``torchscript`` write a program that runs without this library (:mod:`moco_lightning.deployment`). Any method's
+checkpoint (MoCo, MoCo v3, SimCLR, BYOL, SwAV) exports its ``backbone``; ``--encoder key``: MoCo's key encoder or
+BYOL's target.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .checkpoint_io import read_checkpoint
-from .encoder import architecture_in, checkpoint_backbone, load_encoder
+from .deployment import FORMATS as PROGRAMS
+from .deployment import write_program
+from .detection import check_detection_backbone, detection_weights, detectron2_settings, write_detectron2
+from .encoder import TRANSFORM_KEY, architecture_in, checkpoint_backbone, encoder_from, encoder_of, transform_of
 from .errors import ConfigError
+
+FORMATS = ("torchvision", "detectron2", "torchvision-detection", *PROGRAMS)
 
 
 def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] = "query") -> dict[str, torch.Tensor]:
@@ -31,45 +39,101 @@ def backbone_state_dict(ckpt_path: str | Path, encoder: Literal["query", "key"] 
     return checkpoint_backbone(read_checkpoint(ckpt_path, arg="--ckpt"), ckpt_path, encoder)
 
 
-def load_backbone(path: str | Path) -> nn.Module:
+def load_backbone(path: str | Path, with_transform: bool = False) -> nn.Module | tuple[nn.Module, Callable]:
     """The backbone exported to ``path`` (``moco-lightning export``), rebuilt from the file's own description and
-    loaded strictly; in train mode, as a freshly built module (call ``.eval()`` to extract features)."""
-    return load_encoder(path, expect="export", arg="")[0]
+    loaded strictly; in train mode, as a freshly built module (call ``.eval()`` to extract features).
+    ``with_transform``: ``(backbone, transform)``, the transform from any PIL image to the tensor the backbone takes,
+    as recorded at pretraining (:func:`moco_lightning.load_transform`), as torchvision's ``weights.transforms()``."""
+    state, architecture = encoder_of(path, expect="export", arg="")
+    backbone = encoder_from(state, architecture)[0]
+    return (backbone, transform_of(state, architecture, path)) if with_transform else backbone
 
 
-def export_backbone(ckpt_path: str | Path, out_path: str | Path, encoder: Literal["query", "key"] = "query") -> Path:
-    """Writes :func:`backbone_state_dict` to ``out_path`` with ``torch.save``; returns the path."""
+def export_backbone(
+    ckpt_path: str | Path,
+    out_path: str | Path,
+    encoder: Literal["query", "key"] = "query",
+    format: str = "torchvision",
+    matching_heuristics: bool = True,
+) -> Path:
+    """Writes the backbone of ``ckpt_path`` to ``out_path`` as ``format`` (one of :data:`FORMATS`); returns the path.
+    ``matching_heuristics``: detectron2's flag, as the official converter sets it."""
     out = Path(out_path)
     if out.is_dir():
         raise ConfigError(f"--out {out} is a directory: give a file name, e.g. {out / 'backbone.pt'}")
     if out.exists() and not out.is_file():
         raise ConfigError(f"--out {out} is not a regular file (a device or a pipe): give a file name")
+    if format not in FORMATS:
+        raise ConfigError(f"--format {format!r}: one of {', '.join(FORMATS)}")
     state = backbone_state_dict(ckpt_path, encoder)
+    architecture = architecture_in(state)
+    if format != "torchvision" and architecture is None:
+        raise ConfigError(f"--format {format}: {ckpt_path} does not name its backbone (a module of your own); "
+                          "only --format torchvision can write it")  # fmt: skip
+    if format in ("detectron2", "torchvision-detection"):
+        check_detection_backbone(architecture, format)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out)
+        if format == "torchvision":
+            torch.save(state, out)
+        elif format == "detectron2":
+            write_detectron2(state, out, matching_heuristics)
+        elif format == "torchvision-detection":
+            body = detection_weights(state)
+            body._metadata = state._metadata  # type: ignore[attr-defined]
+            torch.save(body, out)
+        else:
+            transform = state._metadata.get(TRANSFORM_KEY)  # type: ignore[attr-defined]
+            write_program(encoder_from(state, architecture)[0], architecture, transform, format, out)
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}): choose a writable path") from None
     except RuntimeError as e:  # torch's zip writer reports an unwritable path as a RuntimeError
+        if out.parent.exists() and format in PROGRAMS:
+            raise
         raise ConfigError(f"--out {out}: cannot write there ({str(e).split(':')[-1].strip()})") from None
     return out
 
 
+def stem_note(architecture: dict) -> Optional[str]:
+    """A line for an export whose stem differs from the stock model's of the same name, or None."""
+    stem = architecture.get("stem") or ("cifar" if architecture.get("cifar_stem") else "imagenet")
+    if stem == "imagenet":
+        return None
+    return (
+        f"note: stem {stem!r} (no max-pool): a plain {architecture['backbone']} keeps its max-pool and computes other "
+        "features from these weights; rebuild it with moco_lightning.load_backbone(file)"
+    )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="moco-lightning export", description="Write a checkpoint's backbone as a plain state dict."
+        prog="moco-lightning export", description="Write a checkpoint's backbone for torchvision, detection or serving."
     )
     parser.add_argument("--ckpt", required=True, help="checkpoint of any pretraining method (.ckpt)")
-    parser.add_argument("--out", required=True, help="where to write the state dict (.pt)")
+    parser.add_argument("--out", required=True, help="the file to write (.pt, .pkl for detectron2, .onnx, .pt2)")
     parser.add_argument(
         "--encoder", choices=("query", "key"), default="query", help="query encoder (default) or its momentum copy"
     )
+    parser.add_argument("--format", choices=FORMATS, default="torchvision",
+                        help="torchvision (a state dict, default), detectron2 (MODEL.WEIGHTS), torchvision-detection "
+                             "(a ResNet-FPN body), onnx, pt2 (torch.export), torchscript")  # fmt: skip
+    parser.add_argument("--matching_heuristics", action=argparse.BooleanOptionalAction, default=True,
+                        help="detectron2's flag in the file (the official converter sets it)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        out = export_backbone(args.ckpt, args.out, args.encoder)
-        written = read_checkpoint(out, expect="export")  # the file reads back as an export
+        out = export_backbone(args.ckpt, args.out, args.encoder, args.format, args.matching_heuristics)
+        # what was written, read back: a state dict as an export, a program through the checkpoint it came from
+        state = (read_checkpoint(out, expect="export") if args.format in ("torchvision", "torchvision-detection")
+                 else backbone_state_dict(args.ckpt, args.encoder))  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"moco-lightning export: error: {e}\n")
-    arch = architecture_in(written) or {}
+    arch = architecture_in(state) or {}
     what = ", ".join(f"{k} {v}" for k, v in arch.items()) or "architecture not recorded: a backbone module of your own"
-    print(f"wrote {out} ({len(written)} tensors, {args.encoder} encoder backbone; {what})")
+    count = f"{len(detection_weights(state))} tensors, " if args.format == "detectron2" else ""
+    count = f"{len(state)} tensors, " if args.format in ("torchvision", "torchvision-detection") else count
+    print(f"wrote {out} ({args.format}: {count}{args.encoder} encoder backbone; {what})")
+    if args.format == "detectron2":
+        transform = state._metadata.get(TRANSFORM_KEY)
+        print("detectron2 settings for this backbone:\n  " + "\n  ".join(detectron2_settings(arch, transform)))
+    elif args.format == "torchvision" and arch and stem_note(arch):
+        print(stem_note(arch))

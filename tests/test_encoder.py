@@ -78,3 +78,42 @@ def test_a_checkpoint_and_its_export_record_the_evaluation_transform(tmp_path, s
     assert torch.equal(from_ckpt, expected(image.convert("L")))
     with pytest.warns(UserWarning, match="does not record its evaluation transform: ImageNet's mean and std"):
         assert load_transform(FIXTURE_CKPT)(image).shape == (1, 28, 28)
+
+
+def test_weights_loaded_into_another_stem_are_refused_and_into_the_same_architecture_accepted(tmp_path, capsys):
+    """The issue's case: an export of timm's resnet10t with the cifar_stride2 stem loads strictly into a plain
+    timm.create_model (same shapes, its max-pool kept) and computes other features; it is refused in one line, while
+    a stock torchvision ResNet (fc removed) takes a stock export without a word."""
+    timm = pytest.importorskip("timm")
+    from helpers.trainers import cpu_trainer
+    from torch import nn
+    from torchvision.models import resnet18
+
+    from moco_lightning import MoCo
+    from moco_lightning.backbones import build_backbone
+    from moco_lightning.export import main
+
+    def export(name, **architecture):
+        trainer = cpu_trainer()
+        trainer.strategy.connect(MoCo(queue_size=32, dim=8, hidden_dim=16, image_size=32, **architecture))
+        trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
+        main(["--ckpt", str(tmp_path / f"{name}.ckpt"), "--out", str(tmp_path / f"{name}.pt")])
+        return tmp_path / f"{name}.pt"
+
+    small = export("small", backbone="timm:resnet10t", stem="cifar_stride2")
+    assert (
+        "note: stem 'cifar_stride2' (no max-pool): a plain timm:resnet10t keeps its max-pool" in capsys.readouterr().out
+    )
+    plain = timm.create_model("resnet10t", pretrained=False, num_classes=0)
+    with pytest.raises(ConfigError, match=r"model.backbone_state_dict .*small.pt: your backbone module loads these "
+                       r"weights but computes other features \(cosine 0\.\d\d to .*stem cifar_stride2"):  # fmt: skip
+        load_weights(plain, small, arg="model.backbone_state_dict")
+    same = build_backbone("timm:resnet10t", stem="cifar_stride2", image_size=32)[0].train()
+    load_weights(same, small)
+    assert same.training and all(m.training for m in same.modules())  # its modes as they were
+    stock = export("stock", backbone="resnet18")
+    assert "note:" not in capsys.readouterr().out
+    mine = resnet18()
+    mine.fc = nn.Identity()
+    load_weights(mine, stock)
+    assert torch.equal(mine.conv1.weight, torch.load(stock)["conv1.weight"])

@@ -324,7 +324,11 @@ def test_test_and_predict_are_refused_in_one_line(method, sub, tmp_path_factory,
 # --- the encoder downstream: export, load_backbone, linear evaluation, low labels ----------------
 @pytest.mark.parametrize("method", GROUPS)
 def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_factory, tmp_path):
+    import numpy as np
+    from PIL import Image
+
     from moco_lightning import load_backbone
+    from moco_lightning.datamodules import FashionMNISTDataModule
     from moco_lightning.export import main as export
 
     path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
@@ -337,11 +341,17 @@ def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_fac
     for encoder, prefix in encoders.items():
         out = tmp_path / f"{encoder}.pt"
         export(["--ckpt", str(path), "--out", str(out), "--encoder", encoder])
-        backbone = load_backbone(out).eval()
-        for key, value in backbone.state_dict().items():
+        backbone, transform = load_backbone(out, with_transform=True)
+        for key, value in backbone.eval().state_dict().items():
             assert torch.equal(value, saved[f"{prefix}.{key}"]), (encoder, key)
         if encoder == "query":
             torch.testing.assert_close(backbone(x), model(x), rtol=0, atol=0)
+    # the evaluation transform of pretraining, recorded by every method: Fashion-MNIST's statistics at 28 px
+    fm = FashionMNISTDataModule
+    recorded = dict(mean=list(fm.mean), std=list(fm.std), image_size=28, in_channels=1, resize=28)
+    assert state(path)["moco_lightning"]["eval_transform"] == recorded
+    image = Image.fromarray(np.full((40, 30, 3), 200, dtype=np.uint8))
+    assert torch.allclose(transform(image), torch.full((1, 28, 28), (200 / 255 - fm.mean[0]) / fm.std[0]), atol=1e-5)
     if cls_of(method).__name__ not in MOMENTUM:
         with pytest.raises(SystemExit):
             export(["--ckpt", str(path), "--out", str(tmp_path / "k.pt"), "--encoder", "key"])

@@ -1,0 +1,67 @@
+"""Programs for serving: the onnx (through onnxruntime), pt2 and torchscript exports give the features of
+load_backbone's encoder within 1e-4 at another batch size than they were traced with, and carry the architecture and
+the evaluation transform."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from helpers.trainers import cpu_trainer
+
+from moco_lightning import MoCo, load_backbone
+from moco_lightning.encoder import ARCHITECTURE_KEY, TRANSFORM_KEY
+from moco_lightning.export import export_backbone
+
+ARCHITECTURES = {
+    "resnet": dict(backbone="resnet18", width=0.5, in_channels=1, stem="cifar_stride2", image_size=28),
+    "vit": dict(backbone="timm:vit_tiny_patch16_224", image_size=32),
+}
+
+
+def run_program(fmt: str, path, x: torch.Tensor) -> tuple[np.ndarray, dict]:
+    """The features a program computes for ``x``, and the descriptions it carries."""
+    if fmt == "onnx":
+        import onnx
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+        return session.run(["features"], {"images": x.numpy()})[0], props
+    files = {f"{ARCHITECTURE_KEY}.json": "", f"{TRANSFORM_KEY}.json": ""}
+    if fmt == "pt2":
+        module = torch.export.load(str(path), extra_files=files).module()
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # PyTorch deprecates TorchScript; the format is asked for
+            module = torch.jit.load(str(path), _extra_files=files)
+    with torch.no_grad():
+        return module(x).numpy(), {k[: -len(".json")]: v for k, v in files.items()}
+
+
+@pytest.mark.parametrize("kind", ["resnet", "vit"])
+@pytest.mark.parametrize("fmt", ["onnx", "pt2", "torchscript"])
+def test_a_program_computes_the_encoders_features_at_any_batch_and_carries_its_description(tmp_path, seeded, fmt, kind):
+    if kind == "vit":
+        pytest.importorskip("timm")
+    architecture = ARCHITECTURES[kind]
+    trainer = cpu_trainer()
+    trainer.strategy.connect(MoCo(queue_size=32, dim=8, hidden_dim=16, **architecture))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    export_backbone(tmp_path / "m.ckpt", tmp_path / "b.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        export_backbone(tmp_path / "m.ckpt", tmp_path / f"b.{fmt}", format=fmt)
+    size, channels = architecture["image_size"], architecture.get("in_channels", 3)
+    x = torch.randn(5, channels, size, size)  # traced with 2 images
+    features, props = run_program(fmt, tmp_path / f"b.{fmt}", x)
+    with torch.no_grad():
+        expected = load_backbone(tmp_path / "b.pt").eval()(x).numpy()
+    assert features.shape == expected.shape and np.abs(features - expected).max() < 1e-4
+    assert json.loads(props[ARCHITECTURE_KEY])["backbone"] == architecture["backbone"]
+    assert json.loads(props[ARCHITECTURE_KEY])["image_size"] == size
+    if TRANSFORM_KEY in props and props[TRANSFORM_KEY]:  # recorded when the checkpoint saw a datamodule
+        assert json.loads(props[TRANSFORM_KEY])["in_channels"] == channels
