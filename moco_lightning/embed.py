@@ -6,7 +6,11 @@ writes ``embeddings/features.npy`` (float32, one row an image: ``numpy.load(path
 loading it) and ``embeddings/index.csv`` (``row,path,label``: the class folder's name, empty for a folder without
 class folders). The images go through the encoder's own evaluation transform, as the checkpoint or export records it
 (:func:`moco_lightning.encoder.load_transform`; ``--mean`` / ``--std`` / ``--resize`` replace it), in batches on
-the fastest device here.
+the fastest device here, with a progress bar on a terminal.
+
+``--neighbours K`` also writes ``neighbours.png``: eight images spread over the folder, each beside its K nearest
+neighbours (cosine similarity); ``--projector`` writes TensorBoard's embedding projector with image sprites
+(``tensorboard --logdir embeddings/projector``, the PROJECTOR tab).
 """
 
 from __future__ import annotations
@@ -29,12 +33,17 @@ def embed_folder(
     resize: Optional[int] = None,
     batch_size: int = 256,
     num_workers: Optional[int] = None,
+    neighbours: Optional[int] = None,
+    projector: bool = False,
 ) -> tuple[Path, Path]:
-    """Writes the features of every image below ``data`` (class folders or images alone) to ``out``; returns the
-    paths of ``features.npy`` and ``index.csv``."""
+    """Writes the features of every image below ``data`` (class folders or images alone) to ``out``, and with
+    ``neighbours`` / ``projector`` the pictures of :mod:`moco_lightning.pictures`; returns the paths of
+    ``features.npy`` and ``index.csv``."""
     import numpy as np
     from torch.utils.data import DataLoader
+    from tqdm import tqdm
 
+    from . import pictures
     from .callbacks import embed
     from .datamodules.image_folder import default_workers
     from .datamodules.images import Deterministic, ImageFileDataset, scan_image_folder
@@ -43,6 +52,8 @@ def embed_folder(
 
     if not Path(data).is_dir():
         raise ConfigError(f"--data {data}: not a folder; give the folder of your images (class folders or not)")
+    if neighbours is not None and neighbours < 1:
+        raise ConfigError(f"--neighbours {neighbours}: give the number of neighbours to show, 1 or more")
     state, architecture = encoder_of(ckpt, arg="--ckpt")  # the file read once
     backbone = encoder_from(state, architecture)[0]
     channels, size = architecture.get("in_channels", 3), architecture.get("image_size", 224)
@@ -57,7 +68,8 @@ def embed_folder(
     workers = default_workers() if num_workers is None else num_workers
     loader = DataLoader(images, batch_size=batch_size, num_workers=workers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    features, _ = embed(backbone.to(device), loader, device, gather=False, normalize=False)
+    batches = tqdm(loader, desc="embed", unit="batch", disable=None)  # a bar on a terminal, silent in a log
+    features, _ = embed(backbone.to(device), batches, device, gather=False, normalize=False)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "features.npy", features.float().cpu().numpy())
@@ -66,6 +78,10 @@ def embed_folder(
         writer.writerow(["row", "path", "label"])
         for row, (path, target) in enumerate(samples):
             writer.writerow([row, path, classes[target] if target >= 0 else ""])
+    if neighbours:
+        pictures.neighbours_picture(features.cpu(), samples, classes, neighbours, folder / "neighbours.png")
+    if projector:
+        pictures.projector(features.cpu(), samples, classes, folder / "projector")
     return folder / "features.npy", folder / "index.csv"
 
 
@@ -83,13 +99,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--resize", type=int, default=None, help="shorter side before the centre crop (size / 0.875)")
     p.add_argument("--batch_size", type=int, default=256)
     p.add_argument("--num_workers", type=int, default=None, help="decoding processes (default: CPUs less one)")
+    p.add_argument("--neighbours", type=int, default=None, metavar="K",
+                   help="also write neighbours.png: a few images beside their K nearest neighbours")  # fmt: skip
+    p.add_argument("--projector", action="store_true", help="also write TensorBoard's projector (with image sprites)")
     args = p.parse_args(argv)
     try:
         features, index = embed_folder(args.ckpt, args.data, args.out, args.mean, args.std, args.resize,
-                                       args.batch_size, args.num_workers)  # fmt: skip
+                                       args.batch_size, args.num_workers, args.neighbours, args.projector)  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning embed: error: {e}\n")
     import numpy as np
 
     shape = np.load(features, mmap_mode="r").shape
-    print(f"wrote {features} ({shape[0]} images x {shape[1]} features, float32) and {index}")
+    extra = (" neighbours.png" if args.neighbours else "") + (" projector/" if args.projector else "")
+    print(
+        f"wrote {features} ({shape[0]} images x {shape[1]} features, float32), {index}"
+        + (f" and{extra}" if extra else "")
+    )

@@ -46,3 +46,38 @@ def test_embed_writes_a_row_per_image_equal_to_the_encoders_features(tmp_path, c
 def test_embed_of_a_missing_folder_is_one_line(tmp_path, capsys):
     assert cli_main("embed", "--ckpt", FIXTURE_CKPT, "--data", str(tmp_path / "nope"), "--out", str(tmp_path)) == 2
     assert "--data" in capsys.readouterr().err
+
+
+def test_embed_shows_neighbours_and_writes_the_projector(tmp_path, capsys):
+    """--neighbours 3: a picture of up to 8 query rows by 1 + 3 thumbnails, in which an image's nearest neighbour is
+    its own copy (cosine 1); --projector: TensorBoard's projector files, a metadata row and a sprite cell per image."""
+    import shutil
+
+    from PIL import Image
+
+    from moco_lightning.pictures import nearest
+
+    root = write_tree(tmp_path / "images", n_per_class=3, splits=("train",)) / "train"
+    first = root / "cat" / "0.jpg"
+    shutil.copy(first, root / "dog" / f"copy{first.suffix}")  # 7 images, one the copy of another
+    assert cli_main("embed", "--ckpt", FIXTURE_CKPT, "--data", str(root), "--out", str(tmp_path / "out"),
+                    "--num_workers", "0", "--neighbours", "3", "--projector") == 0  # fmt: skip
+    assert "neighbours.png projector/" in capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "out" / "index.csv")))
+    features = torch.from_numpy(np.load(tmp_path / "out" / "features.npy"))
+    original = next(int(r["row"]) for r in rows if r["path"] == str(first))
+    copy = next(int(r["row"]) for r in rows if r["path"].endswith(f"copy{first.suffix}"))
+    indices, cosines = nearest(features, [original], 3)
+    assert indices[0, 0] == copy and cosines[0, 0] == pytest.approx(1.0, abs=1e-5) and original not in indices[0]
+    with Image.open(tmp_path / "out" / "neighbours.png") as picture:
+        assert picture.size == (96 * 4 + 8, (96 + 14) * 7)  # 7 images: each a query row, 3 neighbours each
+    projected = next((tmp_path / "out" / "projector").rglob("metadata.tsv")).parent
+    assert (tmp_path / "out" / "projector" / "projector_config.pbtxt").is_file()
+    metadata = (projected / "metadata.tsv").read_text().splitlines()
+    assert metadata[0] == "label\tpath" and len(metadata) == 8 and metadata[original + 1].startswith("cat\t")
+    with Image.open(projected / "sprite.png") as sprite:
+        assert sprite.size == (32 * 3, 32 * 3)  # 7 thumbnails in a 3 x 3 grid
+    assert len((projected / "tensors.tsv").read_text().splitlines()) == 7
+    assert cli_main("embed", "--ckpt", FIXTURE_CKPT, "--data", str(root), "--out", str(tmp_path / "o2"),
+                    "--neighbours", "0") == 2  # fmt: skip
+    assert "--neighbours 0" in capsys.readouterr().err
