@@ -20,7 +20,9 @@ def main(argv=None) -> None:
     p.add_argument("--ckpt", nargs="+", required=True, help="checkpoints of pretraining (any method) or exports")
     p.add_argument("--names", nargs="+", default=None, help="a name per checkpoint for the tables")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.01, 0.1])
-    p.add_argument("--steps", type=int, default=None, help="fine-tune steps (default: max(600, 30 epochs))")
+    p.add_argument(
+        "--steps", type=int, default=None, help="fine-tune steps (default: max(30 epochs, min(600, 200 epochs)))"
+    )
     p.add_argument("--split", choices=("test", "val"), default="test")
     p.add_argument("--eval-subset", type=int, default=None, help="smoke runs: the first N evaluation images")
     p.add_argument("--train-subset", type=int, default=None, help="smoke runs: the labels drawn from the first N")

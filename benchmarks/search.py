@@ -391,7 +391,9 @@ def main(argv=None) -> None:
     p.add_argument("--trials", type=int, default=20, help="complete + pruned trials the study should hold")
     p.add_argument("--holdout", type=int, default=10000, help="the held-out end of the training split (selection)")
     p.add_argument("--train-subset", type=int, default=None, help="smoke runs: the first N training images")
-    p.add_argument("--finetune-steps", type=int, default=None, help="default: evaluate's max(600, 30 epochs)")
+    p.add_argument(
+        "--finetune-steps", type=int, default=None, help="default: evaluate's max(30 epochs, min(600, 200 epochs))"
+    )
     p.add_argument("--timing-steps", type=int, default=24, help="steps of one timing, after 2 warm-up steps")
     p.add_argument(
         "--timing-rounds", type=int, default=3, help="--budget-qe: trial and QE config timed in turn this many times"

@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+from helpers.detection import official_converter
 from helpers.trainers import cpu_trainer
 
 from moco_lightning import MoCo
@@ -24,23 +25,6 @@ def checkpoint(path, **architecture):
     trainer.strategy.connect(MoCo(**{**settings, **architecture}))
     trainer.save_checkpoint(path)
     return path
-
-
-def official_converter(state: dict) -> dict:
-    """facebookresearch/moco detection/convert-pretrain-to-detectron2.py's renaming, step by step as it is written
-    there (its input has ``module.encoder_q.`` prefixes; here they are stripped already)."""
-    out = {}
-    for k, v in state.items():
-        if "layer" not in k:
-            k = "stem." + k
-        for t in [1, 2, 3, 4]:
-            k = k.replace("layer{}".format(t), "res{}".format(t + 1))
-        for t in [1, 2, 3]:
-            k = k.replace("bn{}".format(t), "conv{}.norm".format(t))
-        k = k.replace("downsample.0", "shortcut")
-        k = k.replace("downsample.1", "shortcut.norm")
-        out[k] = v.numpy()
-    return out
 
 
 def detectron2_resnet_names(blocks: list[int], convs: int) -> set[str]:

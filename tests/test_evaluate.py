@@ -92,3 +92,11 @@ def test_an_image_folder_is_evaluated_with_fraction_and_per_class_budgets(tmp_pa
     with pytest.raises(SystemExit) as exit_:  # a folder has no held-out end of its training split
         main(["evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(tmp_path / "photos"), "--split", "val"])
     assert exit_.value.code == 2 and "--split val holds out the end of the training split" in capsys.readouterr().err
+
+
+def test_the_fine_tuning_steps_adapt_to_few_labels():
+    """30 epochs at least, 600 steps at most unless 30 epochs need more, 200 epochs for a handful of images: the
+    Fashion-MNIST budgets keep their steps (600 at 1 %, 2812 at 10 %)."""
+    from moco_lightning.evaluate import finetune_steps
+
+    assert [finetune_steps(n) for n in (600, 6000, 100, 30, 3)] == [600, 2812, 312, 200, 200]

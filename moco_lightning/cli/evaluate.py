@@ -15,10 +15,26 @@ from ..errors import ConfigError
 from ..evaluate import HOLDOUT, evaluate, markdown, plot, run_name
 
 
-def datamodule_of(config: Optional[str], split: str, fast: bool, data_dir: Optional[str] = None) -> Any:
+def folder_settings(ckpt: str) -> dict:
+    """An image folder's settings for the encoder of ``ckpt``: the size, channels, mean, std and resize it was
+    pretrained with (its recorded evaluation transform; without one, the architecture's size and channels)."""
+    from ..encoder import TRANSFORM_KEY, encoder_of
+
+    state, architecture = encoder_of(ckpt, arg="--ckpt")
+    recorded = (getattr(state, "_metadata", None) or {}).get(TRANSFORM_KEY)
+    if recorded is None:
+        return {k: architecture[k] for k in ("image_size", "in_channels") if k in architecture}
+    return dict(image_size=recorded["image_size"], in_channels=recorded["in_channels"], mean=recorded["mean"],
+                std=recorded["std"], eval_resize=recorded.get("resize"))  # fmt: skip
+
+
+def datamodule_of(
+    config: Optional[str], split: str, fast: bool, data_dir: Optional[str] = None, ckpt: Optional[str] = None
+) -> Any:
     """The evaluation datamodule: the ``data:`` section of ``config`` (any datamodule class path), an image folder
-    ``data_dir`` (``train/`` and ``val/`` of class folders), or Fashion-MNIST; with the evaluation views, ``holdout``
-    for ``split="val"``, and the first 2000 / 500 images for ``fast``."""
+    ``data_dir`` (``train/`` and ``val/`` of class folders, read as the encoder of ``ckpt`` was pretrained:
+    :func:`folder_settings`), or Fashion-MNIST; with the evaluation views, ``holdout`` for ``split="val"``, and the
+    first 2000 / 500 images for ``fast``."""
     import importlib
 
     from jsonargparse import ArgumentParser
@@ -28,7 +44,9 @@ def datamodule_of(config: Optional[str], split: str, fast: bool, data_dir: Optio
     if config and data_dir:
         raise ConfigError("give --config (its data: section) or --data_dir (an image folder), not both")
     if data_dir:
-        data = {"class_path": "moco_lightning.datamodules.ImageFolderDataModule", "init_args": {"data_dir": data_dir}}
+        settings = folder_settings(ckpt) if ckpt else {}
+        data = {"class_path": "moco_lightning.datamodules.ImageFolderDataModule",
+                "init_args": {"data_dir": data_dir, **settings}}  # fmt: skip
     if config:
         import yaml
 
@@ -103,7 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     p.add_argument("--k", type=int, nargs="+", default=[20, 200], help="kNN neighbours (default 20 200)")
     p.add_argument(
-        "--steps", type=int, default=None, help="fine-tuning steps (default max(600, 30 epochs); --fast: 10)"
+        "--steps",
+        type=int,
+        default=None,
+        help="fine-tuning steps (default max(30 epochs, min(600, 200 epochs)); --fast: 10)",
     )
     p.add_argument("--out", default=None, help="folder for evaluate.md/.json/.png (default runs/evaluate/<name>)")
     p.add_argument("--seed", type=int, default=0)
@@ -122,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if any(n < 1 for n in args.per_class):
         p.exit(2, f"moco-lightning evaluate: error: --per_class {args.per_class}: each must be at least 1\n")
     try:
-        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir)
+        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, args.ckpt)
         check_label_budgets(dm, len(fractions) + len(args.per_class))
         result = evaluate(args.ckpt, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
     except (FileNotFoundError, ValueError) as e:

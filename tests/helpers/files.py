@@ -101,3 +101,30 @@ def fake_fashion(folder, n_train=40, n_test=20, compress=True):
         write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)), compress)
         write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", np.arange(n) % 10, compress)
     return folder
+
+
+def write_fashion_folder(root: Path, classes=(0, 1, 7), n_train=30, n_val=10, n_unlabelled=30) -> Path:
+    """A user's folder as the issue tried it: Fashion-MNIST images written as PNG class folders ``train/`` and
+    ``val/`` (every other image saved RGB, the rest grayscale) and a folder ``unlabelled/`` of images without classes;
+    the images of each part are distinct images of Debian's training split."""
+    from moco_lightning.datamodules.fashion_mnist import DEBIAN_DIR, read_idx
+
+    images = read_idx(Path(DEBIAN_DIR) / "train-images-idx3-ubyte.gz")[:4000]
+    labels = read_idx(Path(DEBIAN_DIR) / "train-labels-idx1-ubyte.gz")[:4000]
+    names = {0: "t-shirt", 1: "trouser", 7: "sneaker"}
+    k, used = 0, []
+    for c in classes:
+        rows = np.flatnonzero(labels == c)
+        for split, picked in (("train", rows[:n_train]), ("val", rows[n_train : n_train + n_val])):
+            folder = root / split / names.get(c, str(c))
+            folder.mkdir(parents=True, exist_ok=True)
+            used += list(picked)
+            for i in picked:
+                image = Image.fromarray(images[i])
+                (image.convert("RGB") if k % 2 else image).save(folder / f"{i}.png")
+                k += 1
+    (root / "unlabelled").mkdir(parents=True, exist_ok=True)
+    others = np.setdiff1d(np.arange(len(labels)), used)[:n_unlabelled]  # further images, of any class, no labels
+    for i in others:
+        Image.fromarray(images[i]).save(root / "unlabelled" / f"{i}.png")
+    return root
