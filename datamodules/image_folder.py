@@ -52,7 +52,7 @@ from .images import (
     scan_image_folder,
     spread,
 )
-from .selection import check_subset_size
+from .selection import balanced_subset, check_subset_size
 from .transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -98,6 +98,9 @@ class ImageFolderDataModule(TwoViewDataModule):
             folders in them are ignored): pretraining sees them beside ``train_dir``, while the kNN bank and the
             linear probe use the labelled ``train_dir`` and the queries ``val_dir`` (the usual case: many unlabelled
             images, a few labelled ones).
+        holdout: a share (below 1) or a number (1 or more) of the labelled training images, drawn from every class
+            alike (seeded by ``seed``), that become the held-out split in place of ``val_dir``: for choosing recipes
+            without looking at ``val_dir``, or for a folder without one (None: off).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         train_subset: Optional[int] = None,
         val_subset: Optional[int] = None,
         unlabelled_dirs: Sequence[str] = (),
+        holdout: Optional[float] = None,
     ) -> None:
         if in_channels not in (1, 3):
             raise ConfigError(f"in_channels must be 1 (grayscale) or 3 (RGB), got {in_channels}")
@@ -170,6 +174,9 @@ class ImageFolderDataModule(TwoViewDataModule):
         self.dali_fused_crop = dali_fused_crop
         self.skip_bad_images, self.train_subset, self.val_subset = skip_bad_images, train_subset, val_subset
         self.unlabelled_dirs = list(unlabelled_dirs)
+        if holdout is not None and holdout <= 0:
+            raise ConfigError(f"holdout={holdout}: give a share of the training images (0-1) or a number of them")
+        self.holdout = holdout
         self._classes: Optional[List[str]] = None
         self._splits: dict[str, ImageFileDataset] = {}
         self._eval_splits: dict[str, ImageFileDataset] = {}
@@ -259,6 +266,8 @@ class ImageFolderDataModule(TwoViewDataModule):
                 )
             if not classes:  # unlabelled pretraining: val labels mean nothing to it
                 val = [(p, -1) for p, _ in val]
+        if self.holdout is not None:
+            train, val = self._held_out(train)
         train, val = spread(train, self.train_subset), spread(val, self.val_subset)
         pretrain_on = train + self._unlabelled() if self.pretrain else train
         self._splits["train"] = self._dataset(pretrain_on, self._train_make(), stream=0)
@@ -273,6 +282,21 @@ class ImageFolderDataModule(TwoViewDataModule):
                 f"batch_size={self.batch_size} is larger than the {len(pretrain_on)} training images in "
                 f"{self.train_root} (pretraining drops the last partial batch): lower batch_size or add images"
             )
+
+    def _held_out(self, train: List[Tuple[str, int]]) -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]:
+        """``(training, held-out)`` images: ``holdout`` of the labelled training images, the same share of each
+        class, drawn with ``seed``."""
+        targets = torch.tensor([t for _, t in train])
+        if not len(targets) or (targets < 0).any():
+            raise ConfigError(f"holdout={self.holdout}: {self.train_root} has no class folders to hold images out of")
+        share = self.holdout if self.holdout < 1 else self.holdout / len(targets)
+        held = set(balanced_subset(targets, fraction=min(share, 1.0), seed=self.seed).tolist())
+        kept = {t for i, (_, t) in enumerate(train) if i not in held}
+        if kept != set(targets.tolist()):
+            emptied = self.classes[min(set(targets.tolist()) - kept)]
+            raise ConfigError(f"holdout={self.holdout} leaves class {emptied!r} without training images: hold out "
+                              "fewer")  # fmt: skip
+        return [s for i, s in enumerate(train) if i not in held], [s for i, s in enumerate(train) if i in held]
 
     def _unlabelled(self) -> List[Tuple[str, int]]:
         """The images of ``unlabelled_dirs`` (target -1, whatever folders they sit in)."""

@@ -3,6 +3,7 @@ fine-tuned and from scratch; a Markdown table, its figures and a plot; the valid
 the training split, never the test split."""
 
 import json
+import shutil
 
 import pytest
 from helpers.data import FIXTURE_CKPT
@@ -89,9 +90,16 @@ def test_an_image_folder_is_evaluated_with_fraction_and_per_class_budgets(tmp_pa
     two = result["fractions"]["2/class"]
     assert two["labels"] == 6 and two["batch"] == 6 and two["steps"] == 2 and two["share"] == pytest.approx(6 / 18)
     assert all(0.0 <= two[k] <= 1.0 for k in ("linear", "fine_tuned", "from_scratch"))
-    with pytest.raises(SystemExit) as exit_:  # a folder has no held-out end of its training split
-        main(["evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(tmp_path / "photos"), "--split", "val"])
-    assert exit_.value.code == 2 and "--split val holds out the end of the training split" in capsys.readouterr().err
+    # --split val: 20 % of train/, each class alike (1 of 6), is the evaluation split; val/ is left for the test
+    quick = ["--fractions", "--k", "3", "--data_dir", str(tmp_path / "photos"), "--out", str(tmp_path / "v")]
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--split", "val", *quick])
+    held = json.loads((tmp_path / "v" / "evaluate.json").read_text())
+    assert (held["train_images"], held["eval_images"], held["split"]) == (15, 3, "val")
+    shutil.rmtree(tmp_path / "photos" / "val")  # a folder without val/: the same held-out split, said
+    capsys.readouterr()
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, *quick])
+    assert "has no val/ folder: 20% of train/ (each class alike) is held out" in capsys.readouterr().err
+    assert json.loads((tmp_path / "v" / "evaluate.json").read_text())["eval_images"] == 3
 
 
 def test_the_fine_tuning_steps_adapt_to_few_labels():

@@ -281,6 +281,28 @@ def test_subsets_keep_every_class(tmp_path):
     assert dm._splits["train"].targets.tolist() == [0, 1, 2] and len(dm._eval_splits["val"]) == 6
 
 
+def test_holdout_takes_the_same_share_of_every_class_in_place_of_val(tmp_path):
+    """holdout 0.25 of 3 classes x 8 images: 2 of each class, seeded, out of the training split (and its kNN bank)
+    into the evaluation split, replacing val/; a number of images works alike; a class emptied is refused."""
+    from moco_lightning.errors import ConfigError
+
+    write_tree(tmp_path, n_per_class=8, classes=("a", "b", "c"))
+    splits = {}
+    for holdout in (0.25, 6):
+        dm = ImageFolderDataModule(str(tmp_path), batch_size=2, num_workers=0, holdout=holdout, pretrain=False)
+        dm.setup()
+        train, held = dm._eval_splits["train"], dm._eval_splits["val"]
+        assert sorted(held.targets.tolist()) == [0, 0, 1, 1, 2, 2] and len(train) == 18
+        assert not set(held.paths) & set(train.paths)
+        assert all("/train/" in p for p in held.paths)  # val/ is not read
+        splits[holdout] = held.paths
+    assert splits[0.25] == splits[6]  # the same seeded draw
+    for bad, said in ((24, "leaves class .a. without training images"), (0, "holdout=0: give a share")):
+        with pytest.raises(ConfigError, match=said):
+            dm = ImageFolderDataModule(str(tmp_path), batch_size=2, num_workers=0, holdout=bad)
+            dm.setup()
+
+
 @pytest.mark.parametrize("labelled", [True, False])
 def test_trains_moco_for_two_steps(tmp_path, labelled):
     from helpers.models import tiny_backbone, tiny_moco

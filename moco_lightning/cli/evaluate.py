@@ -14,6 +14,8 @@ from ..compat import constructor_arguments
 from ..errors import ConfigError
 from ..evaluate import HOLDOUT, evaluate, markdown, plot, run_name
 
+FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out where it has no evaluation split
+
 
 def folder_settings(ckpt: str) -> dict:
     """An image folder's settings for the encoder of ``ckpt``: the size, channels, mean, std and resize it was
@@ -39,6 +41,8 @@ def datamodule_of(
 
     from jsonargparse import ArgumentParser
     from lightning.pytorch import LightningDataModule
+
+    from ..datamodules import ImageFolderDataModule
 
     data: dict = {"class_path": "moco_lightning.datamodules.FashionMNISTDataModule", "init_args": {}}
     if config and data_dir:
@@ -80,7 +84,12 @@ def datamodule_of(
                 f"--split val holds out the end of the training split, which {name} cannot do (no holdout argument): "
                 "keep a validation folder apart from the test folder and point --config / --data_dir at it"
             )
-        init["holdout"] = HOLDOUT if not fast else 500
+        folder = issubclass(cls, ImageFolderDataModule)  # files: a share of them, not 10 000
+        init["holdout"] = FOLDER_HOLDOUT if folder else HOLDOUT if not fast else 500
+    elif data_dir and not (Path(data_dir).expanduser() / "val").is_dir():
+        init["holdout"] = FOLDER_HOLDOUT
+        print(f"evaluate: {data_dir} has no val/ folder: {FOLDER_HOLDOUT:.0%} of train/ (each class alike) is held "
+              "out as the evaluation split", file=sys.stderr)  # fmt: skip
     if fast:
         init.update({k: v for k, v in (("train_subset", 2000), ("val_subset", 500)) if k in accepted})
     parser = ArgumentParser(exit_on_error=False)
@@ -112,7 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--config", default=None, help="a YAML whose data: section is the datamodule (default Fashion-MNIST)"
     )
     p.add_argument("--data_dir", default=None, help="an image folder: train/ and val/ of class folders (or --config)")
-    p.add_argument("--split", choices=("test", "val"), default="test", help="val: the last 10000 training images")
+    p.add_argument(
+        "--split", choices=("test", "val"), default="test",
+        help="val: the last 10000 training images (an image folder: 20 %% of train/, each class alike)",
+    )  # fmt: skip
     p.add_argument(
         "--fractions", type=float, nargs="*", default=None, help="label fractions (default 0.01 0.1; --fast: 0.05)"
     )
