@@ -143,6 +143,7 @@ def evaluate(
         if fine_tune and scratch:
             row["fine_tuned_minus_scratch"] = row["fine_tuned"] - row["from_scratch"]
         out["fractions"][key] = row
+    out["labels_to_match"] = labels_to_match(out["fractions"])
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -195,7 +196,37 @@ def markdown(result: dict) -> str:
                 f"| {budget} ({r['labels']}) | {pct(r['linear'])} | {pct(r.get('linear_pixels'))} | "
                 f"{pct(r.get('fine_tuned'))} | {pct(r.get('from_scratch'))} | {gap} |"
             )
+    match = result.get("labels_to_match")
+    if match:
+        said = (f"{match['labels']} labels ({match['times']:.1f}x)" if match["labels"] is not None
+                else f"more than the {match['beyond']} labels measured")  # fmt: skip
+        lines += ["", f"From scratch needs {said} to reach the fine-tuned encoder's {pct(match['fine_tuned'])} "
+                      f"with {match['fine_tuned_labels']} labels."]  # fmt: skip
     return "\n".join(lines)
+
+
+def labels_to_match(fractions: dict) -> Optional[dict]:
+    """The figure a label-efficiency curve is for: how many labels training from scratch needs to reach what the
+    fine-tuned encoder reaches with the fewest labels measured. The from-scratch curve is interpolated linearly in
+    log(labels) between measured budgets; ``labels`` is None when no budget measured reaches it (then at least
+    ``beyond`` labels). None without two budgets measured both ways."""
+    rows = sorted((r["labels"], r["fine_tuned"], r["from_scratch"]) for r in fractions.values()
+                  if "fine_tuned" in r and "from_scratch" in r)  # fmt: skip
+    if len(rows) < 2:
+        return None
+    base, target = rows[0][0], rows[0][1]
+    found = None
+    for (n0, _, a0), (n1, _, a1) in zip(rows, rows[1:]):
+        if a0 >= target:
+            found = n0
+            break
+        if a1 >= target:  # between n0 and n1, on a log scale of labels
+            t = (target - a0) / (a1 - a0)
+            found = round(math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0))))
+            break
+    out = {"fine_tuned_labels": base, "fine_tuned": target, "labels": found, "beyond": rows[-1][0]}
+    out["times"] = found / base if found is not None else None
+    return out
 
 
 def run_name(ckpt: str) -> str:

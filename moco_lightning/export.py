@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -83,15 +83,28 @@ def export_backbone(
             body._metadata = state._metadata  # type: ignore[attr-defined]
             torch.save(body, out)
         else:
-            transform = state._metadata.get(TRANSFORM_KEY)  # type: ignore[attr-defined]
-            write_program(encoder_from(state, architecture)[0], architecture, transform, format, out)
+            write_program_of(state, architecture, format, out)
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e}): choose a writable path") from None
     except RuntimeError as e:  # torch's zip writer reports an unwritable path as a RuntimeError
-        if out.parent.exists() and format in PROGRAMS:
-            raise
         raise ConfigError(f"--out {out}: cannot write there ({str(e).split(':')[-1].strip()})") from None
     return out
+
+
+def write_program_of(state: Any, architecture: dict, fmt: str, out: Path) -> None:
+    """:func:`~moco_lightning.deployment.write_program` of a backbone state; a backbone torch cannot trace or export
+    is one line naming the format (and no half-written file is left)."""
+    backbone = encoder_from(state, architecture)[0]
+    try:
+        write_program(backbone, architecture, state._metadata.get(TRANSFORM_KEY), fmt, out)
+    except ConfigError:
+        raise
+    except Exception as e:  # torch.export / the ONNX exporter / the tracer: many exception types, one meaning
+        out.unlink(missing_ok=True)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        others = ", ".join(f for f in PROGRAMS if f != fmt)
+        raise ConfigError(f"--format {fmt}: torch could not export {architecture.get('backbone')} ({first}); "
+                          f"try --format {others}, or torchvision and your own serving code") from None  # fmt: skip
 
 
 def stem_note(architecture: dict) -> Optional[str]:

@@ -65,3 +65,21 @@ def test_a_program_computes_the_encoders_features_at_any_batch_and_carries_its_d
     assert json.loads(props[ARCHITECTURE_KEY])["image_size"] == size
     if TRANSFORM_KEY in props and props[TRANSFORM_KEY]:  # recorded when the checkpoint saw a datamodule
         assert json.loads(props[TRANSFORM_KEY])["in_channels"] == channels
+
+
+def test_a_backbone_torch_cannot_export_is_one_line_and_leaves_no_half_written_file(tmp_path, monkeypatch):
+    from moco_lightning.errors import ConfigError
+
+    trainer = cpu_trainer()
+    trainer.strategy.connect(MoCo(queue_size=32, dim=8, hidden_dim=16, **ARCHITECTURES["resnet"]))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+
+    def failing_save(program, path, **kwargs):
+        open(path, "wb").write(b"half")  # the writer fails after it began the file
+        raise RuntimeError("unsupported operator aten::foo\nmore lines")
+
+    monkeypatch.setattr(torch.export, "save", failing_save)
+    with pytest.raises(ConfigError, match=r"^--format pt2: torch could not export resnet18 \(unsupported operator "
+                       r"aten::foo\); try --format onnx, torchscript"):  # fmt: skip
+        export_backbone(tmp_path / "m.ckpt", tmp_path / "b.pt2", format="pt2")
+    assert not (tmp_path / "b.pt2").exists()

@@ -108,3 +108,23 @@ def test_the_fine_tuning_steps_adapt_to_few_labels():
     from moco_lightning.evaluate import finetune_steps
 
     assert [finetune_steps(n) for n in (600, 6000, 100, 30, 3)] == [600, 2812, 312, 200, 200]
+
+
+def test_labels_to_match_reads_the_from_scratch_curve_where_it_reaches_the_fine_tuned_encoder():
+    """Fine-tuned 0.80 with 60 labels; from scratch 0.70 at 60, 0.76 at 120, 0.84 at 600: it reaches 0.80 half-way
+    (in log labels) between 120 and 600, at 120 * 5 ** 0.5 = 268 labels, 4.5x; never reached: None, said so."""
+    from moco_lightning.evaluate import labels_to_match, markdown
+
+    rows = {"0.01": dict(labels=60, fine_tuned=0.80, from_scratch=0.70),
+            "0.02": dict(labels=120, fine_tuned=0.85, from_scratch=0.76),
+            "0.1": dict(labels=600, fine_tuned=0.90, from_scratch=0.84)}  # fmt: skip
+    match = labels_to_match(rows)
+    assert match["labels"] == 268 and match["times"] == pytest.approx(268 / 60) and match["fine_tuned_labels"] == 60
+    result = {"ckpt": "x.ckpt", "train_images": 6000, "eval_images": 100, "rows": {}, "labels_to_match": match,
+              "fractions": {k: dict(r, linear=0.5) for k, r in rows.items()}}  # fmt: skip
+    assert "From scratch needs 268 labels (4.5x) to reach the fine-tuned encoder's 80.00 % with 60 labels" in markdown(
+        result
+    )
+    rows["0.1"]["from_scratch"] = 0.79
+    assert labels_to_match(rows)["labels"] is None and labels_to_match(rows)["beyond"] == 600
+    assert labels_to_match({"0.01": rows["0.01"]}) is None  # one budget: no curve
