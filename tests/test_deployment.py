@@ -83,3 +83,19 @@ def test_a_backbone_torch_cannot_export_is_one_line_and_leaves_no_half_written_f
                        r"aten::foo\); try --format onnx, torchscript"):  # fmt: skip
         export_backbone(tmp_path / "m.ckpt", tmp_path / "b.pt2", format="pt2")
     assert not (tmp_path / "b.pt2").exists()
+
+
+def test_onnx_without_its_extra_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    from moco_lightning.errors import ConfigError
+
+    trainer = cpu_trainer()
+    trainer.strategy.connect(MoCo(queue_size=32, dim=8, hidden_dim=16, **ARCHITECTURES["resnet"]))
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # not installed
+    with pytest.raises(
+        ConfigError, match=r"--format onnx needs onnx and onnxscript: pip install 'moco-lightning\[onnx\]'"
+    ):
+        export_backbone(tmp_path / "m.ckpt", tmp_path / "b.onnx", format="onnx")
+    assert not (tmp_path / "b.onnx").exists()
