@@ -325,6 +325,8 @@ def test_test_and_predict_are_refused_in_one_line(method, sub, tmp_path_factory,
 @pytest.mark.parametrize("method", GROUPS)
 def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_factory, tmp_path):
     import numpy as np
+    from helpers.cli import cli_main
+    from helpers.files import write_tree
     from PIL import Image
 
     from moco_lightning import load_backbone
@@ -352,6 +354,15 @@ def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_fac
     assert state(path)["moco_lightning"]["eval_transform"] == recorded
     image = Image.fromarray(np.full((40, 30, 3), 200, dtype=np.uint8))
     assert torch.allclose(transform(image), torch.full((1, 28, 28), (200 / 255 - fm.mean[0]) / fm.std[0]), atol=1e-5)
+    # embed of the export: a folder's rows are load_backbone's features through that transform
+    folder = write_tree(tmp_path / "images", n_per_class=2, splits=("train",)) / "train"
+    assert cli_main("embed", "--ckpt", str(tmp_path / "query.pt"), "--data", str(folder), "--out",
+                    str(tmp_path / "emb"), "--num_workers", "0") == 0  # fmt: skip
+    rows = (tmp_path / "emb" / "index.csv").read_text().splitlines()[1:]
+    query = load_backbone(tmp_path / "query.pt").eval()
+    with torch.no_grad():
+        expected = query(torch.stack([transform(Image.open(r.split(",")[1])) for r in rows]))
+    assert torch.allclose(torch.from_numpy(np.load(tmp_path / "emb" / "features.npy")), expected, atol=1e-5)
     if cls_of(method).__name__ not in MOMENTUM:
         with pytest.raises(SystemExit):
             export(["--ckpt", str(path), "--out", str(tmp_path / "k.pt"), "--encoder", "key"])

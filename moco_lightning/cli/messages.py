@@ -140,8 +140,12 @@ CLI_HELP = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR
   moco-lightning fit --config configs/quickstart.yaml           pretrain (the demo)
   moco-lightning fit --config ... --ckpt_path last              resume the newest run
   moco-lightning export --ckpt last.ckpt --out backbone.pt      the backbone as a state dict (export --help)
+  moco-lightning export ... --format detectron2|torchvision-detection|onnx|pt2|torchscript
+                                      for detection or serving
   moco-lightning evaluate --ckpt last.ckpt                      kNN, linear, 1 % / 10 % labels (evaluate --help)
+  moco-lightning evaluate --ckpt last.ckpt --data_dir DIR       the same on your folder (train/, val/ of classes)
   moco-lightning embed --ckpt last.ckpt --data DIR --out OUT    every image's features, .npy + index.csv
+                                      (--neighbours K: a picture of nearest neighbours; --projector: TensorBoard)
   moco-lightning linear fit --config configs/linear_eval.yaml --model.ckpt_path last.ckpt
                                       linear evaluation (the same: python -m moco_lightning.linear_eval fit ...)
 """
