@@ -16,9 +16,12 @@ the last 10 000 images), and is judged on that held-out end:
   ``KNNMonitor`` on the held-out images) goes to Optuna (optuna-integration's Lightning pruning callback), and from
   the first rung on a trial below the median of the earlier trials at that epoch is pruned (``MedianPruner``; the
   first ``--startup-trials`` are never pruned);
-- **objective** of a trial that finishes: the mean of ``moco-lightning evaluate``'s kNN top-1 at k 20, the linear
-  top-1 on frozen features with 1 % of the labels and the fine-tuned top-1 with 1 % of the labels, on the held-out
-  split (``--fast``: kNN and linear only);
+- **objective** of a trial that finishes (:func:`objective_value`): ``--objective mean`` (rounds 1-3), the mean of
+  ``moco-lightning evaluate``'s kNN top-1 at k 20, the linear top-1 on frozen features with 1 % of the labels and the
+  fine-tuned top-1 with 1 % of the labels, on the held-out split (``--fast``: kNN and linear only);
+  ``--objective finetune`` (round 4: "how many labels does pretraining save me?"), the 1 %-label fine-tuned top-1,
+  with kNN as a guard, not the target: each point of kNN k 20 below ``--knn-floor`` costs a point. A study keeps
+  the objective it was created with;
 - **cost**: each trial's training seconds, also in quickstart-epoch equivalents (1 QE: one epoch of
   ``configs/quickstart.yaml``, timed at the same precision when the study is created and kept with it: a
   resumed study keeps its unit), with the kNN monitor's seconds apart (``knn_s``: evaluation, not training), stored
@@ -103,6 +106,17 @@ SPACES: dict[str, dict[str, tuple[str, list]]] = {
         "symmetric": (M + "symmetric", [False, True]),
         "temperature": (M + "temperature", [0.1, 0.2]),
         "queue_size": (M + "queue_size", [1024, 4096]),
+    },
+    "long_r4": {  # round 4 at the long budget: what makes the views harder (crops, translation, erasing, multi-crop)
+        "min_scale": (D + "min_scale", [0.2, 0.4, 0.6, 0.8, 1.0]),
+        "translate": (D + "translate", [0, 2, 4]),
+        "erase_prob": (D + "erase_prob", [0.0, 0.25, 0.5, 0.75]),
+        "local_views": (D + "local_views", [0, 2, 4]),
+        "local_scale": (D + "local_scale", ["[0.2,0.5]"]),
+        "local_size": (D + "local_size", [16]),
+        "symmetric": (M + "symmetric", [False, True]),
+        "temperature": (M + "temperature", [0.1, 0.2, 0.3]),
+        "queue_size": (M + "queue_size", [1024, 4096, 16384]),
     },
     "tiny": {
         "temperature": (M + "temperature", [0.1, 0.2, 0.5]),
@@ -215,6 +229,15 @@ def timed_knn(**kwargs):
     return TimedKNN(**kwargs)
 
 
+def objective_value(scores: dict, objective: str = "mean", knn_floor: float = 0.0) -> float:
+    """A trial's objective from its held-out ``scores`` (``knn20``, ``linear_1pct``, ``finetuned_1pct`` when
+    measured): ``mean`` of them, or ``finetune``: ``finetuned_1pct`` less the kNN k 20's shortfall below
+    ``knn_floor`` (a guard: a recipe may trade a little kNN for labels, not the representation)."""
+    if objective == "mean":
+        return sum(scores.values()) / len(scores)
+    return scores["finetuned_1pct"] - max(0.0, knn_floor - scores["knn20"])
+
+
 def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
     """One trial: pretrain for the last rung's epochs with the pruning callback, then evaluate on the held-out split."""
 
@@ -262,10 +285,11 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         scores = [result["rows"]["kNN k 20"]["encoder"], result["fractions"]["0.01"]["linear"]]
         if not args.fast:
             scores.append(result["fractions"]["0.01"]["fine_tuned"])
-        for name, value in zip(("knn20", "linear_1pct", "finetuned_1pct"), scores):
+        named = dict(zip(("knn20", "linear_1pct", "finetuned_1pct"), scores))
+        for name, value in named.items():
             trial.set_user_attr(name, round(value, 4))
         (folder / "last.ckpt").unlink()  # the study keeps the figures, not every trial's weights
-        return sum(scores) / len(scores)
+        return objective_value(named, args.objective, args.knn_floor)
 
     return objective
 
@@ -302,6 +326,13 @@ def open_study(args):
         study_name=args.study, storage=f"sqlite:///{Path(args.results) / args.study}.db", load_if_exists=True,
         direction="maximize", pruner=pruner, sampler=optuna.samplers.TPESampler(seed=args.seed),
     )  # fmt: skip
+    chosen = {"objective": args.objective, "knn_floor": args.knn_floor}
+    kept = {k: study.user_attrs[k] for k in chosen if k in study.user_attrs}
+    if kept and kept != chosen:
+        raise SystemExit(f"search: study {args.study} was created with {kept}, not {chosen}: its trials' values would "
+                         "not compare; give the same --objective / --knn-floor, or a new --study")  # fmt: skip
+    for k, v in chosen.items():
+        study.set_user_attr(k, v)
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         print(f"trial {trial.number} was left running (an interrupted run): marked failed, its parameters queued again")
         study.tell(trial.number, state=TrialState.FAIL)
@@ -406,6 +437,14 @@ def main(argv=None) -> None:
     p.add_argument("--startup-trials", type=int, default=4, help="trials that are never pruned (the median's base)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--fast", action="store_true", help="objective of kNN and linear only (no fine-tuning)")
+    p.add_argument(
+        "--objective",
+        choices=("mean", "finetune"),
+        default="mean",
+        help="mean of kNN, 1 %% linear, 1 %% fine-tuned; or finetune: 1 %% fine-tuned, kNN as a guard",
+    )
+    p.add_argument("--knn-floor", type=float, default=0.0,
+                   help="--objective finetune: each point of kNN k 20 below it costs a point (e.g. 0.85)")  # fmt: skip
     p.add_argument("--budget-qe", type=float, default=None, help="every trial trains for this many QE of time")
     p.add_argument(
         "--qe-seconds", type=float, default=None, help="the study's QE unit in seconds (default: timed once)"
@@ -414,6 +453,8 @@ def main(argv=None) -> None:
                    help="only time the --enqueue'd settings' budgets R times, planned two ways (no trial)")  # fmt: skip
     p.add_argument("--precision", default="auto", help="auto (moco_lightning.auto_precision), 32-true, bf16-mixed")
     args = p.parse_args(argv)
+    if args.objective == "finetune" and args.fast:
+        p.error("--objective finetune needs the fine-tuned accuracy: drop --fast")
     for name in ("timing_steps", "timing_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

@@ -368,3 +368,26 @@ def test_precision_times_each_stem_under_fp32_and_bf16_and_says_what_auto_picks(
     assert len(rows) == 2 and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
     assert "moco-lightning: precision auto:" not in out  # that line goes to stderr
     assert all(r[4].strip() in ("32-true", "bf16-mixed") for r in rows)
+
+
+def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tmp_path, monkeypatch):
+    """``--objective finetune``: the 1 %-label fine-tuned top-1, less the kNN's shortfall below ``--knn-floor``
+    (a guard, not a target); ``mean`` keeps rounds 1-3's value; a study refuses to go on under another objective."""
+    import optuna
+
+    from benchmarks import search
+
+    scores = {"knn20": 0.84, "linear_1pct": 0.70, "finetuned_1pct": 0.83}
+    assert search.objective_value(scores) == pytest.approx((0.84 + 0.70 + 0.83) / 3)
+    assert search.objective_value(scores, "finetune", knn_floor=0.80) == pytest.approx(0.83)  # above the floor
+    assert search.objective_value(scores, "finetune", knn_floor=0.86) == pytest.approx(0.81)  # 2 points below
+    assert {"min_scale", "translate", "erase_prob", "local_views", "symmetric", "queue_size", "temperature"} <= set(
+        search.SPACES["long_r4"]
+    )
+    monkeypatch.setattr(search, "quiet", lambda: None)
+    optuna.create_study(study_name="r4", storage=f"sqlite:///{tmp_path / 'r4.db'}").set_user_attr("objective", "mean")
+    with pytest.raises(SystemExit, match="was created with .*'mean'.*not .*'finetune'"):
+        search.main(["--study", "r4", "--space", "long_r4", "--objective", "finetune", "--knn-floor", "0.85",
+                     "--results", str(tmp_path), "--trials", "0", "--qe-seconds", "1"])  # fmt: skip
+    with pytest.raises(SystemExit):  # the fine-tuned accuracy is what --fast leaves out
+        search.main(["--study", "r5", "--objective", "finetune", "--fast", "--results", str(tmp_path)])
