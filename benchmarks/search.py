@@ -107,7 +107,7 @@ SPACES: dict[str, dict[str, tuple[str, list]]] = {
         "temperature": (M + "temperature", [0.1, 0.2]),
         "queue_size": (M + "queue_size", [1024, 4096]),
     },
-    "long_r4": {  # round 4 at the long budget: what makes the views harder (crops, translation, erasing, multi-crop)
+    "long_views": {  # issue #44 at the long budget: harder views (crops, translation, erasing, multi-crop), loss, T, K
         "min_scale": (D + "min_scale", [0.2, 0.4, 0.6, 0.8, 1.0]),
         "translate": (D + "translate", [0, 2, 4]),
         "erase_prob": (D + "erase_prob", [0.0, 0.25, 0.5, 0.75]),

@@ -382,12 +382,12 @@ def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tm
     assert search.objective_value(scores, "finetune", knn_floor=0.80) == pytest.approx(0.83)  # above the floor
     assert search.objective_value(scores, "finetune", knn_floor=0.86) == pytest.approx(0.81)  # 2 points below
     assert {"min_scale", "translate", "erase_prob", "local_views", "symmetric", "queue_size", "temperature"} <= set(
-        search.SPACES["long_r4"]
+        search.SPACES["long_views"]
     )
     monkeypatch.setattr(search, "quiet", lambda: None)
     optuna.create_study(study_name="r4", storage=f"sqlite:///{tmp_path / 'r4.db'}").set_user_attr("objective", "mean")
     with pytest.raises(SystemExit, match="was created with .*'mean'.*not .*'finetune'"):
-        search.main(["--study", "r4", "--space", "long_r4", "--objective", "finetune", "--knn-floor", "0.85",
+        search.main(["--study", "r4", "--space", "long_views", "--objective", "finetune", "--knn-floor", "0.85",
                      "--results", str(tmp_path), "--trials", "0", "--qe-seconds", "1"])  # fmt: skip
     with pytest.raises(SystemExit):  # the fine-tuned accuracy is what --fast leaves out
         search.main(["--study", "r5", "--objective", "finetune", "--fast", "--results", str(tmp_path)])
