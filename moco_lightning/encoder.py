@@ -44,6 +44,11 @@ def architecture_in(state: Any) -> Optional[dict]:
     return (getattr(state, "_metadata", None) or {}).get(ARCHITECTURE_KEY)
 
 
+def transform_in(state: Any) -> Optional[dict]:
+    """The evaluation transform an exported state dict (or a checkpoint's backbone state) records, or None."""
+    return (getattr(state, "_metadata", None) or {}).get(TRANSFORM_KEY)
+
+
 def momentum_backbone(checkpoint: dict) -> Optional[str]:
     """The state-dict name of the backbone's momentum copy (MoCo's key encoder, BYOL's target), or None."""
     copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies")
@@ -134,7 +139,7 @@ def transform_of(state: Any, architecture: dict, source: Any) -> Callable:
     from .datamodules.images import to_mode
     from .datamodules.transforms import eval_transform
 
-    recorded = (getattr(state, "_metadata", None) or {}).get(TRANSFORM_KEY)
+    recorded = transform_in(state)
     if recorded is None:
         warnings.warn(
             f"{source} does not record its evaluation transform: ImageNet's mean and std assumed at "
@@ -176,13 +181,14 @@ def check_same_features(module: nn.Module, reference: nn.Module, architecture: d
             expected = reference.eval()(x).flatten(1)
             got = module.eval()(x.to(next(module.parameters(), x).device)).flatten(1).to(expected.device)
         cosine = float(nn.functional.cosine_similarity(got, expected).min()) if got.shape == expected.shape else None
+        reason = f"features of shape {tuple(got.shape[1:])}" if cosine is None else ""
     except RuntimeError as e:
-        cosine, expected = None, str(e).splitlines()[0]
+        cosine, reason = None, (str(e).strip().splitlines() or ["it cannot run"])[0][:200]
     finally:
         for m, mode in zip(module.modules(), modes):
             m.training = mode
     if cosine is None or cosine < 0.999:
-        differs = f"cosine {cosine:.2f} to" if cosine is not None else "no features comparable with"
+        differs = f"cosine {cosine:.2f} to" if cosine is not None else f"{reason}: no features comparable with"
         trained = ", ".join(f"{k} {v}" for k, v in architecture.items())
         raise ConfigError(
             f"{arg} {source}: your backbone module loads these weights but computes other features ({differs} those "

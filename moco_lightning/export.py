@@ -28,7 +28,7 @@ from .checkpoint_io import read_checkpoint
 from .deployment import FORMATS as PROGRAMS
 from .deployment import write_program
 from .detection import check_detection_backbone, detection_weights, detectron2_settings, write_detectron2
-from .encoder import TRANSFORM_KEY, architecture_in, checkpoint_backbone, encoder_from, encoder_of, transform_of
+from .encoder import architecture_in, checkpoint_backbone, encoder_from, encoder_of, transform_in, transform_of
 from .errors import ConfigError
 
 FORMATS = ("torchvision", "detectron2", "torchvision-detection", *PROGRAMS)
@@ -96,7 +96,7 @@ def write_program_of(state: Any, architecture: dict, fmt: str, out: Path) -> Non
     is one line naming the format (and no half-written file is left)."""
     backbone = encoder_from(state, architecture)[0]
     try:
-        write_program(backbone, architecture, state._metadata.get(TRANSFORM_KEY), fmt, out)
+        write_program(backbone, architecture, transform_in(state), fmt, out)
     except ConfigError:
         raise
     except Exception as e:  # torch.export / the ONNX exporter / the tracer: many exception types, one meaning
@@ -146,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     count = f"{len(state)} tensors, " if args.format in ("torchvision", "torchvision-detection") else count
     print(f"wrote {out} ({args.format}: {count}{args.encoder} encoder backbone; {what})")
     if args.format == "detectron2":
-        transform = state._metadata.get(TRANSFORM_KEY)
+        transform = transform_in(state)
         print("detectron2 settings for this backbone:\n  " + "\n  ".join(detectron2_settings(arch, transform)))
     elif args.format == "torchvision" and arch and stem_note(arch):
         print(stem_note(arch))

@@ -20,10 +20,10 @@ FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out 
 def folder_settings(ckpt: str) -> dict:
     """An image folder's settings for the encoder of ``ckpt``: the size, channels, mean, std and resize it was
     pretrained with (its recorded evaluation transform; without one, the architecture's size and channels)."""
-    from ..encoder import TRANSFORM_KEY, encoder_of
+    from ..encoder import encoder_of, transform_in
 
     state, architecture = encoder_of(ckpt, arg="--ckpt")
-    recorded = (getattr(state, "_metadata", None) or {}).get(TRANSFORM_KEY)
+    recorded = transform_in(state)
     if recorded is None:
         return {k: architecture[k] for k in ("image_size", "in_channels") if k in architecture}
     return dict(image_size=recorded["image_size"], in_channels=recorded["in_channels"], mean=recorded["mean"],
