@@ -14,7 +14,10 @@ On the datamodule's evaluation views (default: Fashion-MNIST), beside the same m
   protocol): linear on frozen features (and pixels), the encoder **fine-tuned** (``LinearClassifier(finetune=True)``,
   the recipe of ``configs/low_label.yaml``: SGD momentum 0.9, wd 5e-4, head lr 0.05, backbone lr 0.01, cosine,
   batches of 64 with flips), and the same architecture **from scratch** (random initialisation, lr 0.05
-  everywhere), both for the same ``max(30 epochs, min(600, 200 epochs))`` steps.
+  everywhere), both for the same ``max(30 epochs, min(600, 200 epochs))`` steps, at most 3000.
+
+``--curve`` measures the label-efficiency curve, ``--fractions 0.005 0.01 0.02 0.05 0.1 1`` (``CURVE``), and the
+figure it is for: how many labels training from scratch needs to match the fine-tuned encoder at the fewest labels.
 
 The table is printed as Markdown and written with the figures (``evaluate.json``) and a plot of accuracy against
 the labelled fraction (``evaluate.png``) to ``--out`` (default ``runs/evaluate/<run>_<version>_<checkpoint>``).
@@ -41,13 +44,18 @@ from .errors import ConfigError
 #: the fine-tuning recipe of configs/low_label.yaml (the same for the pretrained encoder and from scratch)
 FINETUNE = dict(lr=0.05, backbone_lr=0.01, momentum=0.9, weight_decay=5e-4, schedule="cosine")
 BATCH, KNN_T, HOLDOUT = 64, 0.1, 10_000
+#: the label-efficiency curve's fractions (``--curve``)
+CURVE = (0.005, 0.01, 0.02, 0.05, 0.1, 1.0)
+#: fine-tuning steps at most: the 10 % budget of Fashion-MNIST keeps its 2812; all its 60k labels get 3.2 epochs
+MAX_STEPS = 3000
 
 
 def finetune_steps(n_labelled: int) -> int:
-    """``max(30 epochs, min(600, 200 epochs))`` of batches of ``min(64, n_labelled)``: 600 at 1 % of Fashion-MNIST
-    (64 epochs), 2812 at 10 %; a few labelled images get 200 epochs, not 600 (30 of a folder's 3 x 10 images: 200)."""
+    """``max(30 epochs, min(600, 200 epochs))`` of batches of ``min(64, n_labelled)``, at most ``MAX_STEPS``: 600 at
+    1 % of Fashion-MNIST (64 epochs), 2812 at 10 %, 3000 at 100 % (3.2 epochs: 30 would take 28125 steps, hours on a
+    CPU); a few labelled images get 200 epochs, not 600 (30 of a folder's 3 x 10 images: 200)."""
     epoch = n_labelled / max(1, min(BATCH, n_labelled))  # steps an epoch
-    return max(round(30 * epoch), min(600, round(200 * epoch)))
+    return min(MAX_STEPS, max(round(30 * epoch), min(600, round(200 * epoch))))
 
 
 def knn_top1(bank: tuple[Tensor, Tensor], queries: tuple[Tensor, Tensor], classes: int, k: int) -> float:
@@ -124,13 +132,14 @@ def evaluate(
     budgets = [(f"{f:g}", dict(fraction=f)) for f in fractions] + [(f"{n}/class", dict(per_class=n)) for n in per_class]
     for key, budget in budgets:
         idx = balanced_subset(targets, seed=seed, **budget)
-        row = {
-            "labels": len(idx),
-            "share": len(idx) / n_train,
-            "linear": linear_top1(tuple(t[idx] for t in splits["encoder"][0]), splits["encoder"][1], classes),
-        }
-        if pixels:
-            row["linear_pixels"] = linear_top1(tuple(t[idx] for t in splits["pixels"][0]), splits["pixels"][1], classes)
+        row = {"labels": len(idx), "share": len(idx) / n_train}
+        for column, name in (("linear", "encoder"), ("linear_pixels", "pixels"))[: 2 if pixels else 1]:
+            every = out["rows"].get("linear, all labels", {}).get(name) if len(idx) == n_train else None
+            row[column] = (
+                every
+                if every is not None
+                else linear_top1(tuple(t[idx] for t in splits[name][0]), splits[name][1], classes)
+            )  # all the labels: the full-label linear already measured
         n_steps, batch = steps or finetune_steps(len(idx)), min(BATCH, len(idx))  # a small subset: one batch of all
         if fine_tune or scratch:
             row["steps"], row["batch"] = n_steps, batch
@@ -237,7 +246,9 @@ def run_name(ckpt: str) -> str:
 
 
 def plot(result: dict, path: Path) -> Optional[Path]:
-    """Accuracy against the labelled fraction, one line per column (None without matplotlib)."""
+    """The label-efficiency curve: top-1 against the number of labels (log scale), one line per column, the raw pixels
+    dashed; the full-label linear at the whole training split; and the labels from scratch needs to match the
+    fine-tuned encoder at the fewest labels (``labels_to_match``), drawn as an arrow. None without matplotlib."""
     try:
         import matplotlib
 
@@ -245,23 +256,32 @@ def plot(result: dict, path: Path) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fractions = [r["share"] if "share" in r else float(k) for k, r in result["fractions"].items()]  # of the train split
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("linear", "linear, frozen"), ("linear_pixels", "linear, raw pixels"),
-                       ("fine_tuned", "fine-tuned"), ("from_scratch", "from scratch")):  # fmt: skip
-        if any(key not in r for r in result["fractions"].values()):
+    rows, n_train = result["fractions"].values(), result["train_images"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines = (("fine_tuned", "fine-tuned", "o-"), ("from_scratch", "from scratch", "s-"),
+             ("linear", "linear, frozen", "^-"), ("linear_pixels", "linear, raw pixels", "v--"))  # fmt: skip
+    for key, label, style in lines:
+        if any(key not in r for r in rows):
             continue
-        xs, ys = fractions, [100 * r[key] for r in result["fractions"].values()]
-        xs, ys = (list(v) for v in zip(*sorted(zip(xs, ys))))  # fraction and per-class budgets in one line
-        if key.startswith("linear") and "linear, all labels" in result["rows"]:  # the full-label linear at 100 %
-            xs, ys = (
-                xs + [1.0],
-                ys + [100 * result["rows"]["linear, all labels"]["encoder" if key == "linear" else "pixels"]],
+        points = sorted((r["labels"], 100 * r[key]) for r in rows)
+        if key.startswith("linear") and "linear, all labels" in result["rows"] and points[-1][0] < n_train:
+            points.append(
+                (n_train, 100 * result["rows"]["linear, all labels"]["encoder" if key == "linear" else "pixels"])
             )
-        ax.plot(xs, ys, marker="o", label=label)
+        ax.plot(*zip(*points), style, label=label, ms=5)
+    match = result.get("labels_to_match")
+    if match and match["labels"] is not None:
+        y = 100 * match["fine_tuned"]
+        ax.annotate("", xy=(match["labels"], y), xytext=(match["fine_tuned_labels"], y),
+                    arrowprops=dict(arrowstyle="->", color="gray", linestyle=":"))  # fmt: skip
+        ax.text(match["labels"], y, f"  from scratch: {match['labels']} labels ({match['times']:.1f}x)",
+                va="bottom", fontsize=8, color="dimgray")  # fmt: skip
+    ticks = sorted({r["labels"] for r in rows} | {n_train})
     ax.set_xscale("log")
-    ax.set_xlabel("labelled fraction of the training split")
-    ax.set_ylabel("top-1 (%)")
+    ax.set_xticks(ticks, [f"{n}\n{100 * n / n_train:.3g} %" for n in ticks], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("labelled training images (and share of the training split)")
+    ax.set_ylabel(f"top-1, {result.get('split', 'evaluation')} split (%)")
     ax.set_title(run_name(result["ckpt"]))
     ax.grid(alpha=0.3)
     ax.legend()

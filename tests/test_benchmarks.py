@@ -370,6 +370,27 @@ def test_precision_times_each_stem_under_fp32_and_bf16_and_says_what_auto_picks(
     assert all(r[4].strip() in ("32-true", "bf16-mixed") for r in rows)
 
 
+def test_precision_speed_times_every_combination_against_the_shipped_step():
+    """``--speed``: fp32 / bf16 x contiguous / channels-last x eager / compiled, each a ratio to the shipped one (the
+    test compiles with the eager backend: the wiring, in seconds; the measurement uses inductor)."""
+    out = run("precision", "--speed", "--steps", "1", "--repeats", "1", "--batch", "8", "--compile-backend", "eager")
+    rows = [
+        [c.strip() for c in line.split("|")] for line in out.splitlines() if line.strip().startswith(PRECISIONS_PREFIX)
+    ]
+    assert len(rows) == 8 and {tuple(r[:3]) for r in rows} == {
+        (p, f, c)
+        for p in ("32-true", "bf16-mixed")
+        for f in ("contiguous", "channels-last")
+        for c in ("eager", "compiled")
+    }
+    shipped = [r for r in rows if r[5] == "shipped"]
+    assert len(shipped) == 1 and shipped[0][1:3] == ["channels-last", "eager"] and shipped[0][4] == "1.00x"
+    assert all(float(r[4].rstrip("x")) > 0 for r in rows)
+
+
+PRECISIONS_PREFIX = ("32-true ", "bf16-mixed ")
+
+
 def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tmp_path, monkeypatch):
     """``--objective finetune``: the 1 %-label fine-tuned top-1, less the kNN's shortfall below ``--knn-floor``
     (a guard, not a target); ``mean`` keeps rounds 1-3's value; a study refuses to go on under another objective."""

@@ -108,6 +108,48 @@ def test_the_fine_tuning_steps_adapt_to_few_labels():
     from moco_lightning.evaluate import finetune_steps
 
     assert [finetune_steps(n) for n in (600, 6000, 100, 30, 3)] == [600, 2812, 312, 200, 200]
+    assert finetune_steps(60_000) == 3000  # all of Fashion-MNIST's labels: 3.2 epochs, not 30 (28125 steps)
+
+
+def test_curve_measures_the_six_fractions_and_draws_them(tmp_path, monkeypatch, capsys):
+    """``--curve`` is the six fractions of the label-efficiency curve; it and ``--fractions`` together: refused."""
+    import moco_lightning.cli.evaluate as cli
+    from moco_lightning.evaluate import CURVE
+
+    seen = {}
+
+    def fake(ckpt, dm, fractions, *args, **kwargs):
+        seen["fractions"] = fractions
+        rows = {f"{f:g}": dict(labels=round(f * 2000), share=f, linear=0.5 + f / 4, fine_tuned=0.7 + f / 5,
+                               from_scratch=0.6 + f / 4) for f in fractions}  # fmt: skip
+        return {"ckpt": ckpt, "train_images": 2000, "eval_images": 500, "classes": 10, "seconds": 1.0,
+                "rows": {"linear, all labels": {"encoder": 0.75}}, "fractions": rows,
+                "labels_to_match": measure.labels_to_match(rows)}  # fmt: skip
+
+    from moco_lightning import evaluate as measure
+
+    monkeypatch.setattr(cli, "evaluate", fake)
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--curve", "--out", str(tmp_path)])
+    assert seen["fractions"] == list(CURVE) == [0.005, 0.01, 0.02, 0.05, 0.1, 1.0]
+    out = capsys.readouterr().out
+    assert "| 0.5 % (10) |" in out and "| 100 % (2000) |" in out and "From scratch needs" in out
+    assert (tmp_path / "evaluate.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit) as e:
+        main(["evaluate", "--ckpt", FIXTURE_CKPT, "--curve", "--fractions", "0.1"])
+    assert e.value.code == 2 and "--curve is --fractions 0.005 0.01 0.02 0.05 0.1 1" in capsys.readouterr().err
+
+
+def test_all_the_labels_reuse_the_full_label_linear():
+    """Fraction 1 is the whole training split: its frozen linear is the full-label linear, not trained twice."""
+    from moco_lightning.cli.evaluate import datamodule_of
+    from moco_lightning.evaluate import evaluate
+
+    result = evaluate(FIXTURE_CKPT, datamodule_of(None, "test", True), (0.05, 1.0), (20,), fine_tune=False,
+                      scratch=False, progress=lambda line: None)  # fmt: skip
+    every, five = result["fractions"]["1"], result["fractions"]["0.05"]
+    assert every["labels"] == result["train_images"] == 2000 and 95 <= five["labels"] <= 105
+    assert every["linear"] == result["rows"]["linear, all labels"]["encoder"] != five["linear"]
+    assert every["linear_pixels"] == result["rows"]["linear, all labels"]["pixels"]
 
 
 def test_labels_to_match_reads_the_from_scratch_curve_where_it_reaches_the_fine_tuned_encoder():

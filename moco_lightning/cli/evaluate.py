@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from .. import evaluate as measure
 from ..compat import constructor_arguments
 from ..errors import ConfigError
-from ..evaluate import HOLDOUT, evaluate, markdown, plot, run_name
+from ..evaluate import CURVE, HOLDOUT, evaluate, markdown, plot, run_name
 
 FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out where it has no evaluation split
 
@@ -129,6 +129,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--fractions", type=float, nargs="*", default=None, help="label fractions (default 0.01 0.1; --fast: 0.05)"
     )
     p.add_argument(
+        "--curve", action="store_true",
+        help="the label-efficiency curve: --fractions 0.005 0.01 0.02 0.05 0.1 1 (fine-tuning at most 3000 steps)",
+    )  # fmt: skip
+    p.add_argument(
         "--per_class", type=int, nargs="*", default=[], help="label budgets in images per class (e.g. 10 100)"
     )
     p.add_argument("--k", type=int, nargs="+", default=[20, 200], help="kNN neighbours (default 20 200)")
@@ -136,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--steps",
         type=int,
         default=None,
-        help="fine-tuning steps (default max(30 epochs, min(600, 200 epochs)); --fast: 10)",
+        help="fine-tuning steps (default max(30 epochs, min(600, 200 epochs)), at most 3000; --fast: 10)",
     )
     p.add_argument("--out", default=None, help="folder for evaluate.md/.json/.png (default runs/evaluate/<name>)")
     p.add_argument("--seed", type=int, default=0)
@@ -146,7 +150,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         help="a smoke run: 2000 / 500 images; 5 %% of labels and 10 steps unless --fractions / --steps say otherwise",
     )
     args = p.parse_args(argv)
-    fractions = args.fractions if args.fractions is not None else [0.05] if args.fast else [0.01, 0.1]
+    if args.curve and args.fractions is not None:
+        p.exit(
+            2, "moco-lightning evaluate: error: --curve is --fractions 0.005 0.01 0.02 0.05 0.1 1: give one of them\n"
+        )
+    fractions = list(CURVE) if args.curve else args.fractions
+    fractions = fractions if fractions is not None else [0.05] if args.fast else [0.01, 0.1]
     steps = args.steps if args.steps is not None else 10 if args.fast else None
     if steps is not None and steps < 1:
         p.exit(2, f"moco-lightning evaluate: error: --steps {steps}: give at least 1 fine-tuning step\n")
