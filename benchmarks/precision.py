@@ -19,13 +19,12 @@ warm-up, untimed), each against the shipped setting (``precision: auto``'s pick,
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 
 import torch
 
 from benchmarks._common import config_path, footer, from_config, header, parser, print_table, quiet
-from benchmarks.timing import interleaved, spread
+from benchmarks.timing import interleaved, paired_ratio, spread
 
 STEMS = ("imagenet", "cifar_stride2", "cifar")
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -133,7 +132,7 @@ def speed(args, t0: float) -> None:
     rows = []
     for combo in combos:
         v = times[name(*combo)]
-        ratio = statistics.median(b / x for b, x in zip(base, v))
+        ratio = paired_ratio(base, v)
         rows.append([*name(*combo).split(", "), spread(v), f"{ratio:.2f}x", "shipped" if combo == shipped else ""])
     print()
     print_table(rows, ["precision", "memory format", "compile", "ms/step median [min-max]", "vs shipped", ""])

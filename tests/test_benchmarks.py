@@ -375,7 +375,9 @@ def test_precision_speed_times_every_combination_against_the_shipped_step():
     test compiles with the eager backend: the wiring, in seconds; the measurement uses inductor)."""
     out = run("precision", "--speed", "--steps", "1", "--repeats", "1", "--batch", "8", "--compile-backend", "eager")
     rows = [
-        [c.strip() for c in line.split("|")] for line in out.splitlines() if line.strip().startswith(PRECISIONS_PREFIX)
+        [c.strip() for c in line.split("|")]
+        for line in out.splitlines()
+        if line.strip().startswith(("32-true ", "bf16-mixed "))
     ]
     assert len(rows) == 8 and {tuple(r[:3]) for r in rows} == {
         (p, f, c)
@@ -386,9 +388,6 @@ def test_precision_speed_times_every_combination_against_the_shipped_step():
     shipped = [r for r in rows if r[5] == "shipped"]
     assert len(shipped) == 1 and shipped[0][1:3] == ["channels-last", "eager"] and shipped[0][4] == "1.00x"
     assert all(float(r[4].rstrip("x")) > 0 for r in rows)
-
-
-PRECISIONS_PREFIX = ("32-true ", "bf16-mixed ")
 
 
 def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tmp_path, monkeypatch):

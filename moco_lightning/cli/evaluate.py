@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from .. import evaluate as measure
 from ..compat import constructor_arguments
 from ..errors import ConfigError
-from ..evaluate import CURVE, HOLDOUT, evaluate, markdown, plot, run_name
+from ..evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate, markdown, plot, run_name
 
 FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out where it has no evaluation split
 
@@ -128,9 +128,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument(
         "--fractions", type=float, nargs="*", default=None, help="label fractions (default 0.01 0.1; --fast: 0.05)"
     )
+    curve = f"--fractions {' '.join(f'{f:g}' for f in CURVE)}"
     p.add_argument(
         "--curve", action="store_true",
-        help="the label-efficiency curve: --fractions 0.005 0.01 0.02 0.05 0.1 1 (fine-tuning at most 3000 steps)",
+        help=f"the label-efficiency curve: {curve} (fine-tuning at most {MAX_STEPS} steps)",
     )  # fmt: skip
     p.add_argument(
         "--per_class", type=int, nargs="*", default=[], help="label budgets in images per class (e.g. 10 100)"
@@ -151,9 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     args = p.parse_args(argv)
     if args.curve and args.fractions is not None:
-        p.exit(
-            2, "moco-lightning evaluate: error: --curve is --fractions 0.005 0.01 0.02 0.05 0.1 1: give one of them\n"
-        )
+        p.exit(2, f"moco-lightning evaluate: error: --curve is {curve}: give one of them\n")
     fractions = list(CURVE) if args.curve else args.fractions
     fractions = fractions if fractions is not None else [0.05] if args.fast else [0.01, 0.1]
     steps = args.steps if args.steps is not None else 10 if args.fast else None
