@@ -30,7 +30,7 @@ from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
 from .compat import warn_cifar_stem
 from .continuity import Continuing
-from .distributed import concat_all_gather, equal_batches, world_size
+from .distributed import concat_all_gather, end_process_group_at_exit, equal_batches, world_size
 from .errors import check_arguments
 from .momentum import MomentumCopy
 from .nan_guard import NanGuard
@@ -147,6 +147,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
     # --- fit start / end --------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         load_checkpoints_safely(self.trainer)  # before the Trainer restores a ckpt_path
+        end_process_group_at_exit()
         _lightning.keep_out_of_ddp_broadcast(self, self.dictionary_buffers())
         if stage != "fit":
             return

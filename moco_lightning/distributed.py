@@ -8,6 +8,7 @@ the same number of samples, so every batch has the same size on every rank).
 
 from __future__ import annotations
 
+import atexit
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,22 @@ def equal_batches(loader: Any) -> bool:
         isinstance(getattr(loader, "sampler", None), DistributedSampler)
         and getattr(loader, "batch_size", None) is not None
     )
+
+
+def end_process_group() -> None:
+    """Destroys the default process group, if any, before the interpreter shuts down: a gloo group left to the
+    interpreter's finalisation sometimes aborts a finished run at exit ("terminate called without an active
+    exception", SIGABRT: its worker threads are destroyed while still joinable, pytorch/pytorch#190489). Lightning's
+    own atexit handler destroys only NCCL groups."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def end_process_group_at_exit() -> None:
+    """Registers :func:`end_process_group` to run at exit, once per process (the modules call this in ``setup``: a
+    process that DDP's spawn or subprocess launcher started ends without the CLI's ``finally``)."""
+    atexit.unregister(end_process_group)
+    atexit.register(end_process_group)
 
 
 def world_size() -> int:

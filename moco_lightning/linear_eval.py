@@ -35,6 +35,7 @@ from .checkpoint import SafeLoading
 from .checkpoint_io import load_checkpoints_safely
 from .continuity import Continuing
 from .datamodules.selection import check_classification_data, check_label_subset, select_labels, training_targets
+from .distributed import end_process_group_at_exit
 from .encoder import choose_encoder
 from .errors import RANGES, ConfigError, check_arguments
 
@@ -140,6 +141,7 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
     def setup(self, stage: str) -> None:
         hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
         load_checkpoints_safely(self.trainer)
+        end_process_group_at_exit()
         classes = self.head.out_features if self.head is not None else None
         check_classification_data(dm, self.backbone, classes)
         if stage == "fit":

@@ -483,3 +483,23 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     assert sorted(again) == [8, 9]
     for step in (8, 9):
         assert again[step] == pytest.approx(0.06 * 32 / 256 * cosine(6 + step - 8, 8, 1.0, 0.0), rel=1e-6), step
+
+
+def test_the_process_group_is_destroyed_at_exit_before_the_interpreter_shuts_down(tmp_path):
+    """A gloo group left to the interpreter's finalisation sometimes aborted a finished 2-rank fit at exit (SIGABRT,
+    "terminate called without an active exception"): ``end_process_group_at_exit`` destroys it in an atexit handler.
+    The handler registered first runs last and sees the group gone."""
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit
+import torch.distributed as dist
+from moco_lightning.distributed import end_process_group_at_exit
+dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
+atexit.register(lambda: print("at exit, initialized:", dist.is_initialized(), flush=True))
+end_process_group_at_exit()
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "at exit, initialized: False"

@@ -21,8 +21,10 @@ import pytest
 import torch
 import yaml
 from helpers.cli import in_process
+from helpers.distributed import ExitHandlers
 
 import moco_lightning
+from moco_lightning import distributed
 
 TINY = dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, hidden_dim=16, dim=8)
 CONSTANT = dict(lr_schedule="constant", warmup_epochs=0)  # schedules that do not depend on the planned length
@@ -174,7 +176,7 @@ def test_the_shipped_variant_configs_say_their_papers_values(shipped, capsys):
 
 # --- training entry points ---------------------------------------------------------------------
 @pytest.mark.parametrize("method", GROUPS)
-def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory):
+def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory, monkeypatch):
     from lightning.pytorch import Trainer, seed_everything
 
     from moco_lightning.backbones import build_from_spec
@@ -186,6 +188,7 @@ def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory):
     if isinstance(args["backbone"], dict):
         args["backbone"] = build_from_spec(args["backbone"])
     model = cls_of(method)(**args)
+    monkeypatch.setattr(distributed, "atexit", ExitHandlers())
     trainer = Trainer(
         accelerator="cpu", max_steps=8, max_epochs=10, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=False,
@@ -195,6 +198,7 @@ def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory):
         trainer.fit(model, FashionMNISTDataModule(**DATA["init_args"]))
     for key, value in model.state_dict().items():
         assert torch.equal(value, cli_run["state_dict"][key]), key
+    assert distributed.atexit.handlers == [distributed.end_process_group]  # a DDP rank ends its group before exit
 
 
 @pytest.mark.parametrize("method", GROUPS)
@@ -369,7 +373,9 @@ def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_fac
 
 
 @pytest.mark.parametrize("method", GROUPS)
-def test_linear_evaluation_and_low_label_fine_tuning_from_checkpoint_and_export(method, tmp_path_factory, tmp_path):
+def test_linear_evaluation_and_low_label_fine_tuning_from_checkpoint_and_export(
+    method, tmp_path_factory, tmp_path, monkeypatch
+):
     from lightning.pytorch import Trainer
 
     from moco_lightning.datamodules import FashionMNISTDataModule
@@ -384,6 +390,7 @@ def test_linear_evaluation_and_low_label_fine_tuning_from_checkpoint_and_export(
         for low_label in (False, True):
             extra = dict(labels_per_class=2, finetune=True, lr=0.05, schedule="cosine") if low_label else {}
             classifier = LinearClassifier(**{source: value}, **extra)
+            monkeypatch.setattr(distributed, "atexit", ExitHandlers())
             for key, weight in classifier.backbone.state_dict().items():
                 assert torch.equal(weight, saved[f"backbone.{key}"]), (source, key)
             data = FashionMNISTDataModule(batch_size=8, train_subset=64, val_subset=16, pretrain=False, seed=0)
@@ -396,6 +403,7 @@ def test_linear_evaluation_and_low_label_fine_tuning_from_checkpoint_and_export(
                 warnings.simplefilter("ignore")
                 trainer.fit(classifier, data)
             assert trainer.global_step == 2 and 0 <= float(trainer.callback_metrics["val/acc1"]) <= 1
+            assert distributed.atexit.handlers == [distributed.end_process_group]
             moved = any(not torch.equal(w, saved[f"backbone.{k}"]) for k, w in classifier.backbone.state_dict().items())
             assert moved == low_label, (source, low_label)  # frozen for the linear probe, trained when fine-tuned
             if low_label:

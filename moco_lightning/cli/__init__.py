@@ -27,11 +27,11 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from ..distributed import end_process_group
 from .app import (
     REFUSED,
     SUBCOMMANDS,
     MoCoCLI,
-    end_process_group,
     final_metrics_table,
     from_config,
     make_cli,

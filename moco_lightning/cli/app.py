@@ -219,16 +219,6 @@ REFUSED = {  # subcommands Lightning offers that have nothing to run here: one l
 }
 
 
-def end_process_group() -> None:
-    """Destroys a DDP process group before the interpreter shuts down: a gloo group left to the interpreter's
-    finalisation sometimes aborted a finished run at exit ("terminate called without an active exception", SIGABRT),
-    its worker threads destroyed while still joinable; Lightning's own atexit handler runs too late for that."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def run_cli(
     model_class: type,
     args: Optional[list[str]] = None,

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..distributed import end_process_group
 from ..linear_eval import LinearClassifier
-from .app import end_process_group, run_cli
+from .app import run_cli
 
 
 def main(args: Optional[list[str]] = None, prog: Optional[str] = None) -> None:

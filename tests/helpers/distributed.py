@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Union
+from typing import Callable, Union
 
 import torch.distributed as dist
 
@@ -26,3 +26,17 @@ def free_port() -> str:
     """A rendezvous for a 2-process gloo group: a fresh file store, not a TCP port (a port chosen by binding and
     releasing it can be taken by a parallel test before the group binds it)."""
     return os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
+
+
+class ExitHandlers:
+    """Stands in for the ``atexit`` module of :mod:`moco_lightning.distributed` (``monkeypatch.setattr(distributed,
+    "atexit", ExitHandlers())``): records what would run at exit, once per function, as ``atexit`` keeps it."""
+
+    def __init__(self) -> None:
+        self.handlers: list[Callable] = []
+
+    def register(self, function: Callable) -> None:
+        self.handlers.append(function)
+
+    def unregister(self, function: Callable) -> None:
+        self.handlers = [f for f in self.handlers if f is not function]
