@@ -1,5 +1,6 @@
 """Every config in configs/ trains two steps through the real CLI (``fast_dev_run``) on fixture data of its kind."""
 
+import inspect
 import os
 import subprocess
 import sys
@@ -131,3 +132,29 @@ def test_every_shipped_config_saves_last_ckpt_every_few_minutes(config):
     assert len(last) == 1, saving  # one last.ckpt (two callbacks saving last would write last-v1.ckpt)
     h, m, s = (int(x) for x in last[0]["train_time_interval"].split(":"))
     assert timedelta(hours=h, minutes=m, seconds=s) <= timedelta(minutes=5)
+
+
+@pytest.mark.parametrize("config", ["simclr_fashion_mnist.yaml", "byol_fashion_mnist.yaml", "swav_fashion_mnist.yaml"])
+def test_method_configs_share_the_quickstarts_data_backbone_optimizer_and_length(config):
+    """The seeds' comparison (benchmarks/methods.py) is fair only if SimCLR, BYOL and SwAV see what MoCo sees: the
+    quickstart's data and views, backbone, optimizer settings and length; only the method's own part differs."""
+    import yaml
+
+    def read(name: str) -> dict:
+        return yaml.safe_load((ROOT / "configs" / name).read_text())
+
+    moco, other = read("quickstart.yaml"), read(config)
+    assert other["data"] == moco["data"]
+    assert other["trainer"]["max_epochs"] == moco["trainer"]["max_epochs"]
+    shared = ("backbone", "width", "stem", "in_channels", "image_size", "channels_last", "optimizer", "lr")
+    shared += ("weight_decay", "warmup_epochs", "lr_schedule", "decay_norm_bias")
+    from moco_lightning import BYOL, SimCLR, SwAV
+
+    def settings(cls: type, given: dict) -> dict:  # a setting a config leaves out is its class's (or base's) default
+        defaults = {}
+        for base in reversed(cls.__mro__[:-1]):
+            defaults.update((k, p.default) for k, p in inspect.signature(base.__init__).parameters.items())
+        return {k: given.get(k, defaults[k]) for k in shared}
+
+    cls = {"simclr": SimCLR, "byol": BYOL, "swav": SwAV}[config.split("_")[0]]
+    assert settings(cls, other["model"]["init_args"]) == settings(MoCo, moco["model"])
