@@ -121,7 +121,7 @@ def measure(config: str, overrides: list[str], batch: int, device: str, threads:
             f.write("5")
         step()
         peak = vm_hwm_mib()
-    negatives = getattr(getattr(model, "queue", None), "size", 0) or 0
+    negatives = getattr(getattr(model, "dictionary", None), "size", 0) or 0  # MoCo's KeyQueue holds K
     if type(model).__name__ == "SimCLR":
         negatives = 2 * batch - 2
     return {"before_mib": before, "peak_mib": peak, "step_mib": max(0.0, peak - before), "negatives": negatives}

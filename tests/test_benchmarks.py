@@ -309,6 +309,8 @@ def test_methods_measures_quality_memory_and_the_seeds_verdicts(tmp_path):
     assert memory[0].startswith("method,batch,negatives") and len(memory) == 1 + 2 * 2
     simclr = [line.split(",") for line in memory[1:] if line.startswith("SimCLR")]
     assert [int(r[2]) for r in simclr] == [64, 128] and all(float(r[5]) > 0 for r in simclr)  # 2N - 2 negatives
+    moco = [line.split(",") for line in memory[1:] if line.startswith("MoCo")]
+    assert [int(r[2]) for r in moco] == [64, 128] and all(float(r[5]) > 0 for r in moco)  # K = the queue's size
     assert (tmp_path / "m_memory.png").is_file() and (tmp_path / "m.png").is_file()
     assert "BYOL's hardware need is medium" in out and "accuracy is roughly the same" in out
 
