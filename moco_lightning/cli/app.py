@@ -43,15 +43,15 @@ class MoCoCLI(CLIHooks, LightningCLI):
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         sub = next((a for a in (sys.argv[1:] if args is None else args) if a in SUBCOMMANDS), None)
-        if self._default_model is not None:
+        if self._default_model is not None and sub is not None:
             # A config without a model class_path trains the default class (MoCo). But jsonargparse carries the
             # default class's settings over to another class_path (SimCLR got MoCo's temperature): find the class
-            # the command names (without printing), make it the default, then parse for real. The same with a
-            # subcommand (``fit``) and without one (``from_config``).
+            # the command names (without printing), make it the default, then parse for real.
             quiet = [a for a in (sys.argv[1:] if args is None else args) if not a.startswith("--print_config")]
-            parsed = parser.parse_args(quiet, _skip_validation=True)
-            named = _model_class(_plain((parsed[sub] if sub else parsed)["model"]), self._default_model)
-            self._model_default(self.subcommand_parser(sub) if sub else parser, named)
+            named = _model_class(
+                _plain(parser.parse_args(quiet, _skip_validation=True)[sub]["model"]), self._default_model
+            )
+            self._model_default(self.subcommand_parser(sub), named)
         super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         self._given_model: Optional[dict] = None
