@@ -171,7 +171,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         self._resume = {}
         self._stepped = self.global_step
         self.preemption.install(self.trainer)
-        self.nan_guard.agreed = 0
+        self.nan_guard.reset()
 
     def optimizer_stepped(self) -> bool:
         """True once after each optimizer step (not after a gradient-accumulation micro-batch): for momentum updates."""
@@ -184,7 +184,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         return self._equal_batches and self.training
 
     def on_train_end(self) -> None:
-        self.nan_guard.raise_if_pending()
+        self.nan_guard.check(self.preemption.signum)
         super().on_train_end()  # the run's last step in last.ckpt
 
     # --- a step ---------------------------------------------------------------------------------
@@ -236,7 +236,9 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         """False: skip this batch (``on_nan="skip"``); a non-finite loss raises one step later (the NaN guard), saying
         so when the batch's images (``views``) held non-finite values."""
         where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        return self.nan_guard.usable(loss, where, self.nan_hints, views, extra=self.preemption.signum)
+        # read on the host only when Lightning reads its logged metrics: every log_every_n_steps steps
+        check = (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0
+        return self.nan_guard.usable(loss, where, self.nan_hints, views, check, self.preemption.signum)
 
     def nan_hints(self) -> str:
         """The likely causes of a non-finite loss, named in the guard's error."""

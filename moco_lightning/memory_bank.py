@@ -55,13 +55,15 @@ class MemoryBank(Negatives):
     def positives(self, index: Tensor) -> Tensor:
         """The stored features of the batch's images (their positive keys), without gradient.
 
-        The index range is checked on the first call (a clear error instead of a device-side assert on a GPU) and
-        then on the CPU only: on an accelerator a check every step would stall it, and ``MemoryBankMoCo`` also checks
-        ``memory_bank_size`` against a sized training set once, at fit start."""
+        The index range is checked on the first call (a clear error instead of a device-side assert on a
+        GPU), not every step, which would read the index on the host each time; ``MemoryBankMoCo`` also checks
+        ``memory_bank_size`` against a sized training set at fit start, and later indexing still fails (torch's
+        own index error on a CPU, a device-side assert on a GPU) rather than read a wrong row."""
         self.require_index(index)
-        if index.numel() and (index.device.type == "cpu" or not self._checked):
+        if index.numel() and not self._checked:
             self._checked = True
-            bad = int(index.max()) if int(index.max()) >= self.size else int(index.min())
+            low, high = torch.aminmax(index)
+            bad = int(high) if int(high) >= self.size else int(low)
             if not 0 <= bad < self.size:
                 raise IndexError(
                     f"MemoryBank: image index {bad} "

@@ -1,19 +1,21 @@
-"""The guard against non-finite losses: decided by all ranks together, read one step late.
+"""The guard against non-finite losses: decided by all ranks together, read only at check steps.
 
-A per-rank check stops one rank, and the others wait in the next collective until a timeout; reading the flag at
-once would stall the GPU once per step. So a "not finite" flag is all-reduced (max), copied to the host
-asynchronously, and read at the start of the next step, before a checkpoint is saved, or at the end of training:
-every rank stops at the same step, before a checkpoint holds the bad weights. ``on_nan="skip"`` (one process only)
-skips the batch with a warning instead. The flag also says whether the batch's images held non-finite values (NaN or
-inf pixels), so that the error blames the data, not the lr, when that is the cause; and it carries a number of the
-caller's, agreed (the maximum) across ranks by the same collective: the signal of a preempted run
-(:mod:`moco_lightning.preemption`).
+Reading a loss on the host every step would stall an accelerator once per step, and a per-rank check stops one rank
+while the others wait in the next collective until a timeout. So each step only records, on the device, a "not
+finite" flag (which also says whether the batch's images held NaN or inf pixels, so that the error blames the data,
+not the lr, when that is the cause). The flags are read at check steps: every ``log_every_n_steps`` steps (when
+Lightning reads its logged metrics anyway), before any checkpoint is written, and at the end of training. There the
+flags since the last check are all-reduced (max) across ranks, with a number of the caller's (the signal of a
+preempted run, :mod:`moco_lightning.preemption`), and read once: every rank stops at the same step with the first
+bad step's message, and no checkpoint holds the bad weights (a non-finite loss makes the weights that follow
+non-finite; the steps up to the check are wasted, not saved). ``on_nan="skip"`` (one process only) reads each loss
+at once, which it must to skip that batch, with a warning.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,8 @@ class NanGuard:
 
     def __init__(self, on_nan: str, owner: str) -> None:
         self.on_nan, self.owner = on_nan, owner
-        self._pending: Optional[tuple] = None  # (flag, event, loss, where) of the last step
-        self.agreed = 0  # the largest ``extra`` any rank passed with the last checked step
+        self._pending: list[tuple] = []  # (flag on the device, loss, where, hints) of each step since the last check
+        self.agreed = 0  # the largest ``extra`` any rank passed at the last check
 
     def check_trainer(self, trainer: Any) -> None:
         """``on_nan="skip"`` needs one process (DDP ranks must take the same optimizer steps); the losses are fp32
@@ -45,12 +47,20 @@ class NanGuard:
                 "the same optimizer steps (Lightning does not support skipping a batch under DDP); use on_nan='raise'"
             )
 
+    def reset(self) -> None:
+        self._pending, self.agreed = [], 0
+
     def usable(
-        self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = (), extra: int = 0
+        self,
+        loss: Tensor,
+        where: str,
+        hints: Callable[[], str],
+        inputs: Sequence[Tensor] = (),
+        check: bool = False,
+        extra: int = 0,
     ) -> bool:
-        """False: skip this batch (``on_nan="skip"``). Otherwise the deferred, collective check (see the module);
-        ``inputs``: the batch's images; ``extra``: a number agreed across ranks with the flag (:attr:`agreed`)."""
-        self.raise_if_pending()
+        """False: skip this batch (``on_nan="skip"``). Otherwise records the step's flag on the device (``inputs``:
+        the batch's images) and, at a check step (``check``), runs :meth:`check` with ``extra``."""
         bad_input = torch.stack([~torch.isfinite(x).all() for x in inputs]).any() if inputs else None
         if self.on_nan == "skip":  # reading the loss synchronises with the device
             if torch.isfinite(loss):
@@ -60,43 +70,46 @@ class NanGuard:
                 f"{self.owner}: loss is {loss.item()} {where}{what}; batch skipped (on_nan='skip')", stacklevel=3
             )
             return False
-        flag = (~torch.isfinite(loss.detach())).to(torch.int32).reshape(1)
+        flag = (~torch.isfinite(loss.detach())).to(torch.int32)
         if bad_input is not None:  # 3: the loss and the images; 1: the loss alone (MAX across ranks keeps the worst)
             flag = flag + 2 * (bad_input.to(torch.int32) & flag)
-        flag = torch.cat([flag, torch.full((1,), extra, dtype=torch.int32, device=flag.device)])  # a fill, no copy
-        if world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        event = None
-        if flag.is_cuda:
-            host = torch.empty_like(flag, device="cpu").pin_memory()
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            flag = host
-        self._pending = (flag, event, loss.detach(), where, hints)
+        self._pending.append((flag, loss.detach(), where, hints))
+        if check:
+            self.check(extra)
         return True
 
-    def raise_if_pending(self) -> None:
-        """Raises if the last checked loss (of any rank) was not finite."""
-        if self._pending is None:
+    def check(self, extra: int = 0) -> None:
+        """Reads the flags of the steps since the last check and ``extra``, each the maximum over the ranks (every rank
+        calls it at the same step), ``extra``'s into :attr:`agreed`; raises with the first non-finite step's message,
+        before a checkpoint, at the end of training. With nothing recorded since the last check nothing is read."""
+        if not self._pending:
             return
-        flags, event, loss, where, hints = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()
-        flag, self.agreed = int(flags[0]), int(flags[1])
+        pending, self._pending = self._pending, []
+        flags = torch.stack([flag for flag, *_ in pending])
+        flags = torch.cat([flags, torch.full((1,), extra, dtype=torch.int32, device=flags.device)])
+        if world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        *steps, self.agreed = flags.tolist()  # the one read on the host
+        first = next((i for i, flag in enumerate(steps) if flag), None)
+        if first is not None:
+            _, loss, where, hints = pending[first]
+            raise self.error(steps[first], loss, where, hints)
+
+    def error(self, flag: int, loss: Tensor, where: str, hints: Callable[[], str]) -> FloatingPointError:
+        own = not bool(torch.isfinite(loss))
         if flag == 3:
-            raise FloatingPointError(
+            return FloatingPointError(
                 f"{self.owner}: the training batch {where} holds non-finite values (NaN or inf pixels"
-                + ("" if not torch.isfinite(loss) else ", on another rank")
+                + ("" if own else ", on another rank")
                 + "), so the loss is not finite: check the images and their normalisation (the datamodule's mean and "
                 "std). Every rank stopped; no checkpoint was written with the weights of that step."
             )
-        if flag:
-            whose = "loss" if not torch.isfinite(loss) else "this rank's loss"
-            raise FloatingPointError(
-                f"{self.owner}: {whose} is {loss.item()} {where}"
-                + (" (a non-finite loss on another rank)" if torch.isfinite(loss) else "")
-                + f". Likely causes: {hints()}. Every rank stopped; no checkpoint was written with the weights of that "
-                "step: resume from the last good checkpoint with a lower lr, or set on_nan='skip' (one process only)."
-            )
+        whose = "loss" if own else "this rank's loss"
+        return FloatingPointError(
+            f"{self.owner}: {whose} is {loss.item()} {where}"
+            + ("" if own else " (a non-finite loss on another rank)")
+            + f". Likely causes: {hints()}. Every rank stopped; no checkpoint was written with the weights of that "
+            "step or after it: resume from the last good checkpoint with a lower lr, or set on_nan='skip' (one process "
+            "only)."
+        )
+

@@ -3,8 +3,9 @@ requeue signal) saves a resumable checkpoint at a step boundary and exits cleanl
 
 A signal handler only notes the signal: saving inside it would write whatever state the step was in (and, under
 DDP, start a collective that the other ranks never join). The step decides: with one process, at the end of the
-step the signal arrived in; with several, the note travels with the NaN guard's per-step all-reduce (no extra
-collective) and every rank saves at the end of the same later step. The checkpoint is the checkpoint callback's
+step the signal arrived in; with several, the note travels with the NaN guard's all-reduce at its next check (no
+extra collective: every ``log_every_n_steps`` steps, or a checkpoint save) and every rank saves at the end of that
+step. The checkpoint is the checkpoint callback's
 ``last.ckpt`` (``<default_root_dir>/checkpoints/last.ckpt`` without one), written after the step's momentum update
 and enqueue: ``--ckpt_path last`` continues bit-equal to the run never stopped. Under SLURM with auto-requeue
 (Lightning's ``SLURMEnvironment``), the requeue signal runs Lightning's own requeue at that step boundary instead

@@ -56,8 +56,10 @@ class KeyQueue(Negatives):
             keys = keys[n - self.size :]
         start = self.ptr + max(n - self.size, 0)
         slots = (start + torch.arange(keys.shape[0], device=keys.device)) % self.size
-        self.keys[slots] = keys.to(self.keys.dtype)
-        self.enqueued_at[slots] = step
+        # index_copy_ / index_fill_: an indexed assignment of the Python int `step` would copy it to the device
+        # from pageable memory, which blocks the host (one sync per step on a GPU)
+        self.keys.index_copy_(0, slots, keys.to(self.keys.dtype))
+        self.enqueued_at.index_fill_(0, slots, step)
         self.ptr.copy_((self.ptr + n) % self.size)
 
     def extra_repr(self) -> str:

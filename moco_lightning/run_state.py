@@ -31,6 +31,7 @@ class Resumable(Protocol):
     STRUCTURAL: tuple  # the settings that change the shape of the weights
     hparams: Any
     nan_guard: Any  # NanGuard: a pending non-finite loss raises before a checkpoint is written
+    preemption: Any  # Preemption: its signal is agreed across ranks at the guard's check before a save
     step_plan: Any  # Optional[StepPlan]: the schedules' plan, saved and restored
 
     def finish_step(self) -> None: ...  # the after-step work (momentum update, store), idempotent
@@ -159,7 +160,7 @@ def save_state(module: Resumable, checkpoint: dict) -> None:
     """``on_save_checkpoint`` of the pretraining modules: no checkpoint of bad weights; the step being finished (a
     callback's save at step N runs before the module's ``on_train_batch_end``: the checkpoint then holds N momentum
     updates and N steps' keys); the metadata."""
-    module.nan_guard.raise_if_pending()
+    module.nan_guard.check(module.preemption.signum)
     bad = [name for name, p in module.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise FloatingPointError(

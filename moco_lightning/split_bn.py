@@ -11,11 +11,11 @@ and parameter shapes, so checkpoints and exported backbones stay plain torchvisi
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from ._lightning import uses_sync_batchnorm
 from .errors import ConfigError
@@ -26,6 +26,10 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
 
     Each sub-batch is normalised exactly as if it went through BatchNorm2d on its own; the running
     statistics move by the average of the sub-batches' statistics. In eval mode it is BatchNorm2d.
+    The cost does not grow with ``num_splits``: :func:`split_batch_norm` computes every sub-batch's statistics
+    in one reduction over an ``(s, N/s, C, H, W)`` view and normalises in one fused pass (either memory format,
+    no copy), where a loop over the sub-batches launched ``s`` BatchNorm kernels, a concatenation and ``s``
+    copies of the running statistics per layer (on a GPU the split then cost 2.5x the whole step of plain BN).
     """
 
     def __init__(self, num_features: int, num_splits: int, **kwargs) -> None:
@@ -33,41 +37,104 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         self.num_splits = num_splits
 
     def forward(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
+        n = x.shape[0]
         s = self.num_splits
         if not self.training or s == 1:
             return super().forward(x)
         if n % s != 0:
             raise ConfigError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
+        y, mean, var = _SplitBatchNorm.apply(x, self.weight, self.bias, s, self.eps)
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
-        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        # Sub-batches are contiguous slices in either memory format: normalising each slice with the fused
-        # kernel needs no rearranged copy of the activations (one concatenation, and channels-last stays so).
-        stats = (self.running_mean.repeat(s, 1), self.running_var.repeat(s, 1)) if self.track_running_stats else None
-        y = torch.cat(
-            [
-                F.batch_norm(
-                    chunk,
-                    stats[0][j] if stats else None,
-                    stats[1][j] if stats else None,
-                    self.weight,
-                    self.bias,
-                    True,
-                    momentum,
-                    self.eps,
-                )
-                for j, chunk in enumerate(x.chunk(s))
-            ]
-        )
-        if stats is not None:  # the running statistics move by the average of the sub-batches' statistics
-            with torch.no_grad():
-                self.running_mean.copy_(stats[0].mean(0))
-                self.running_var.copy_(stats[1].mean(0))
+            self._update_running_stats(mean, var, x.numel() // (s * x.shape[1]))
         return y
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
+        """The running statistics move by the average of the sub-batches' (each one's unbiased variance, as
+        BatchNorm2d's), on the device: no host read, also for ``momentum=None``'s cumulative average."""
+        s, unbiased = mean.shape[0], count / max(count - 1, 1)
+        mean_sum, var_sum = mean.sum(0).view(-1), var.sum(0).view(-1)
+        if self.momentum is None:
+            weight = 1.0 / self.num_batches_tracked
+            self.running_mean.lerp_(mean_sum.div_(s), weight)
+            self.running_var.lerp_(var_sum.mul_(unbiased / s), weight)
+            return
+        torch._foreach_mul_([self.running_mean, self.running_var], 1.0 - self.momentum)
+        self.running_mean.add_(mean_sum, alpha=self.momentum / s)
+        self.running_var.add_(var_sum, alpha=self.momentum * unbiased / s)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_splits={self.num_splits}"
+
+
+_REDUCED = (1, 3, 4)  # of the (s, N/s, C, H, W) view: per sub-batch and channel
+
+
+class _SplitBatchNorm(torch.autograd.Function):
+    """Training-mode BatchNorm of each of ``s`` contiguous sub-batches, in a number of kernels independent of ``s``.
+
+    Forward: the statistics of the ``(s, N/s, C, H, W)`` view in one reduction (fp32, whatever the input's dtype),
+    then ``y = x k + shift`` with per-(sub-batch, channel) ``k = γ / σ`` and ``shift = β - μ k`` in one fused pass
+    written straight into an output of the input's dtype and memory format. Backward: the two sums every BatchNorm
+    backward needs (Σ dy and Σ dy x per sub-batch and channel), then ``dx = k dy - (P x + Q) / m`` in two fused
+    passes. Returns ``(y, mean, biased variance)``, the statistics shaped ``(s, 1, C, 1, 1)``, fp32, not
+    differentiable. The small per-channel tensors are combined with ``addcmul``'s scalar argument rather than Python
+    arithmetic: each Python number in an operation is one more tensor made and copied.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], s: int, eps: float):
+        n, c, h, w = x.shape
+        xs = x.view(s, n // s, c, h, w)  # splitting the batch dimension is a view in every memory format
+        if x.dtype in (torch.float32, torch.float64):
+            var, mean = torch.var_mean(xs, dim=_REDUCED, correction=0, keepdim=True)
+        else:  # bf16 / fp16 activations: fp32 sums of x and x², no fp32 copy of the activations
+            mean = xs.mean(_REDUCED, keepdim=True, dtype=torch.float32)
+            sq = torch.linalg.vector_norm(xs, 2, _REDUCED, keepdim=True, dtype=torch.float32)
+            var = torch.addcmul(sq.square_().div_(xs.numel() // (s * c)), mean, mean, value=-1).clamp_min_(0)
+        invstd = (var + eps).rsqrt_()
+        k = invstd if weight is None else invstd * weight.view(1, 1, c, 1, 1)
+        shift = torch.addcmul(bias.view(1, 1, c, 1, 1), mean, k, value=-1) if bias is not None else -mean * k
+        y = torch.empty_like(x)  # x's dtype and memory format (channels-last stays so for the next convolution)
+        torch.addcmul(shift, xs, k, out=y.view(s, n // s, c, h, w))
+        ctx.save_for_backward(x, mean, invstd, k)
+        ctx.s, ctx.affine = s, weight is not None
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: Tensor, _mean: Any, _var: Any):
+        x, mean, invstd, k = ctx.saved_tensors
+        n, c, h, w = x.shape
+        s = ctx.s
+        xs, dys = x.view(s, n // s, c, h, w), dy.view(s, n // s, c, h, w)
+        count = xs.numel() // (s * c)
+        # the per-(sub-batch, channel) sums of dy and of dy (x - μ) = dy x - μ dy
+        sum_dy = dys.sum(_REDUCED, keepdim=True, dtype=torch.float32)
+        dot = torch.addcmul((dys * xs).sum(_REDUCED, keepdim=True, dtype=torch.float32), mean, sum_dy, value=-1)
+        # dx = k (dy - Σdy / m - (x - μ) σ⁻² Σdy (x - μ) / m) = k dy - (P x + Q) / m,
+        # P = k σ⁻² Σdy (x - μ), Q = k Σdy - P μ: P / m and Q / m in one scaling of the pair
+        p = k * invstd * invstd * dot
+        pq = torch.cat([p, torch.addcmul(k * sum_dy, p, mean, value=-1)], 1).div_(-count)
+        dx = torch.empty_like(x)  # x's dtype and memory format
+        dxs = dx.view(s, n // s, c, h, w)
+        torch.addcmul(pq[:, 1:], xs, pq[:, :1], out=dxs)
+        dxs.addcmul_(dys, k)
+        if not ctx.affine:
+            return dx, None, None, None, None
+        # dγ = Σ dy x̂ = Σ_splits σ⁻¹ Σdy (x - μ), dβ = Σ dy
+        grads = torch.cat([dot * invstd, sum_dy], 1).sum((0, 3, 4))
+        return dx, grads[0], grads[1], None, None
+
+
+def split_batch_norm(
+    x: Tensor, num_splits: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+) -> Tensor:
+    """Training-mode BatchNorm of ``x`` (N, C, H, W) over ``num_splits`` contiguous sub-batches (the statistics of
+    rows ``[j N/s, (j + 1) N/s)`` normalise those rows), without running statistics."""
+    return _SplitBatchNorm.apply(x, weight, bias, num_splits, eps)[0]
 
 
 def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:

@@ -455,3 +455,39 @@ def test_a_checkpoint_of_the_previous_format_loads_resumes_and_exports(name, tmp
     assert result.trainer.global_step == 3 and type(result.model).__name__ == name
     export(["--ckpt", str(path), "--out", str(tmp_path / "b.pt")])
     assert (tmp_path / "b.pt").stat().st_size > 0
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_a_training_step_reads_nothing_back_to_the_host_between_logging_steps(method, tmp_path):
+    """#53: on a GPU every host read waits for the whole queue of kernels. Between Lightning's logging steps (every
+    4 here, when it reads the logged metrics, and the NaN guard its flags) a step of every method, with its split BN,
+    queue, memory bank, NaN guard, schedules and TensorBoard logging, reads nothing; the logging steps do (which
+    shows that the count sees reads)."""
+    from helpers.host_reads import HostReads
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from moco_lightning.backbones import build_from_spec
+    from moco_lightning.datamodules import FashionMNISTDataModule
+
+    seed_everything(0, verbose=False)
+    args = {**TINY, **CONSTANT, **METHODS[method][1]}
+    if isinstance(args["backbone"], dict):
+        args["backbone"] = build_from_spec(args["backbone"])
+    if "memory_bank_size" in args:
+        args["memory_bank_size"] = 160
+    model = cls_of(method)(**args)
+    reads = HostReads()
+    trainer = Trainer(
+        accelerator="cpu", max_steps=9, logger=TensorBoardLogger(tmp_path), log_every_n_steps=4, callbacks=[reads],
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    data = FashionMNISTDataModule(**{**DATA["init_args"], "train_subset": 160})  # 10 steps an epoch: no epoch end
+    with warnings.catch_warnings(), reads:
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data)
+    assert trainer.global_step == 9
+    between = {step: reads.per_step[step] for step in (2, 4, 5, 6)}
+    assert all(not where for where in between.values()), between
+    assert reads.per_step[3] and reads.per_step[7]  # the logging steps (batches 4 and 8)

@@ -82,3 +82,133 @@ def test_bn_splits_not_dividing_the_batch_fails_at_fit_start_naming_both_fields(
             tiny_moco(shuffle_bn="split", bn_splits=8), tiny_data(batch_size=20)
         )
     assert monitor.history == []  # before the kNN baseline, not after it
+
+
+# --- the layer itself: every sub-batch as BatchNorm2d on its own, at the cost of one BatchNorm -------------------
+def reference(split, x: torch.Tensor):
+    """What SplitBatchNorm2d computes, by definition: a BatchNorm2d (a copy of the layer's state) per contiguous
+    sub-batch, the outputs concatenated, the running statistics the average of the copies'."""
+    copies = [nn.BatchNorm2d(x.shape[1], **_settings(split)) for _ in range(split.num_splits)]
+    outs = []
+    for bn, chunk in zip(copies, x.chunk(split.num_splits)):
+        bn.load_state_dict(split.state_dict())
+        bn.weight, bn.bias = split.weight, split.bias  # the same parameters: their gradients add up
+        outs.append(bn(chunk))
+    if not split.track_running_stats:
+        return torch.cat(outs), None
+    running = [torch.stack([getattr(bn, k) for bn in copies]).mean(0) for k in ("running_mean", "running_var")]
+    return torch.cat(outs), running
+
+
+def _settings(bn):
+    return dict(eps=bn.eps, momentum=bn.momentum, affine=bn.affine, track_running_stats=bn.track_running_stats)
+
+
+def _layer(splits: int = 4, c: int = 6, **kwargs):
+    from moco_lightning.split_bn import SplitBatchNorm2d
+
+    layer = SplitBatchNorm2d(c, splits, **kwargs)
+    if layer.affine:
+        with torch.no_grad():
+            layer.weight.uniform_(0.5, 2)
+            layer.bias.uniform_(-1, 1)
+    if layer.track_running_stats:
+        layer.running_mean.uniform_(-1, 1)
+        layer.running_var.uniform_(0.5, 2)
+    return layer
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize(
+    "settings", [{}, dict(momentum=None), dict(affine=False), dict(track_running_stats=False)], ids=str
+)
+def test_forward_backward_and_running_statistics_equal_a_batchnorm_per_sub_batch(seeded, memory_format, settings):
+    layer = _layer(**settings)
+    x = (torch.randn(16, 6, 5, 7) * 3 + 1.5).contiguous(memory_format=memory_format).requires_grad_()
+    dy = torch.randn(16, 6, 5, 7)
+    ref_layer = _layer(**settings)
+    ref_layer.load_state_dict(layer.state_dict())
+    x_ref = x.detach().clone().requires_grad_()
+    for _ in range(2):  # twice: num_batches_tracked drives momentum=None's cumulative average
+        y = layer(x)
+        y_ref, running = reference(ref_layer, x_ref)
+        if ref_layer.track_running_stats:
+            ref_layer.running_mean.copy_(running[0])
+            ref_layer.running_var.copy_(running[1])
+            ref_layer.num_batches_tracked.add_(1)
+    assert y.is_contiguous(memory_format=memory_format) and y.dtype == x.dtype
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    (y * dy).sum().backward()
+    (y_ref * dy).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    if layer.affine:
+        torch.testing.assert_close(layer.weight.grad, ref_layer.weight.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.bias.grad, ref_layer.bias.grad, rtol=1e-5, atol=1e-5)
+    if layer.track_running_stats:
+        torch.testing.assert_close(layer.running_mean, ref_layer.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(layer.running_var, ref_layer.running_var, rtol=1e-5, atol=1e-6)
+        assert int(layer.num_batches_tracked) == 2
+        layer.eval()
+        ref_layer.eval()
+        torch.testing.assert_close(layer(x), nn.BatchNorm2d.forward(ref_layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_under_bf16_autocast_it_matches_the_per_sub_batch_batchnorm(seeded, memory_format):
+    """A convolution's bf16 output normalised: output bf16 in the input's layout, within bf16's resolution of the
+    per-sub-batch BatchNorm2d under the same autocast; fp32 gradients of the weights."""
+    conv = nn.Conv2d(3, 6, 3, padding=1).to(memory_format=memory_format)
+    layer = _layer()
+    ref_layer = _layer()
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(16, 3, 8, 8).contiguous(memory_format=memory_format)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = conv(x)
+        assert h.dtype == torch.bfloat16
+        y = layer(h)
+        y_ref, running = reference(ref_layer, h)
+    assert y.dtype == y_ref.dtype == torch.bfloat16 and y.is_contiguous(memory_format=memory_format)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.running_mean, running[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(layer.running_var, running[1], rtol=1e-3, atol=1e-3)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad((y.float() * dy).sum(), [conv.weight, layer.weight, layer.bias], retain_graph=True)
+    ref = torch.autograd.grad((y_ref.float() * dy).sum(), [conv.weight, ref_layer.weight, ref_layer.bias])
+    for g, r in zip(grads, ref):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=3e-2, atol=3e-2 * r.abs().max().item())
+
+
+def aten_ops(fn) -> int:
+    """The aten operators one call of ``fn`` dispatches (forward and backward: what a GPU launches as kernels)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def split_bn_ops(splits: int, memory_format=torch.channels_last) -> int:
+    """aten ops of one forward + backward of a training-mode layer (``splits`` 0: BatchNorm2d) on (128, 64, 8, 8)."""
+    from moco_lightning.split_bn import SplitBatchNorm2d
+
+    layer = SplitBatchNorm2d(64, splits) if splits else nn.BatchNorm2d(64)
+    x = torch.randn(128, 64, 8, 8).contiguous(memory_format=memory_format).requires_grad_()
+    return aten_ops(lambda: layer(x).sum().backward())
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_its_cost_does_not_grow_with_the_splits(memory_format):
+    """The per-split loop's operators grew with the splits (78 dispatched for 8, a BatchNorm per split, a concatenation
+    and copies of the running statistics; #53): now the same operators for 2, 8 or 32 splits, none over the whole
+    batch more than the fused reduction, normalisation and backward need (benchmarks/step_overhead.py --sections 0
+    prints the profiler's count beside BatchNorm2d's)."""
+    counts = {s: split_bn_ops(s, memory_format) for s in (2, 8, 32)}
+    assert counts[2] == counts[8] == counts[32] <= 55, counts
