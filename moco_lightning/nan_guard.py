@@ -112,4 +112,3 @@ class NanGuard:
             "step or after it: resume from the last good checkpoint with a lower lr, or set on_nan='skip' (one process "
             "only)."
         )
-
