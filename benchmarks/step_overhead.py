@@ -1,16 +1,22 @@
 """What does a MoCo training step cost on top of the encoder work it contains?
 
-    python -m benchmarks.step_overhead                        # sections 1-3 (~5 min on 2 cores)
-    python -m benchmarks.step_overhead --sections 1 --repeats 7
+    python -m benchmarks.step_overhead                        # sections 0-3 (~6 min on 2 cores)
+    python -m benchmarks.step_overhead --sections 0 1 --repeats 7
     python -m benchmarks.step_overhead --config quickstart --override=--model.width=1.0
 
 The model is a config's (default ``configs/fashion_mnist_moco_v2.yaml``: ResNet-18 at half width, K 4096, split BN).
 
+0. Split BatchNorm's cost, one layer (128, 64, 8, 8), channels-last, forward + backward in training mode: the aten
+   operators a profiler lists and the operators dispatched (the kernels a GPU would launch, views and allocations
+   included), and the time, for BatchNorm2d, :class:`SplitBatchNorm2d` with 2, 8 and 32 splits, and the per-split
+   loop it replaced (a BatchNorm per sub-batch, concatenated: #53's "before"). Goal: a count independent of the
+   splits, at most twice BatchNorm2d's.
 1. Step vs bare encoder work, interleaved inside one ``Trainer.fit``:
    - bare encoder work: query forward + backward + key forward under no_grad + SGD step, same backbone and head,
      same batch, plain PyTorch and BatchNorm (loss -mean(q.k): no queue, no momentum update, no enqueue);
    - MoCo module step: ``MoCo.contrast`` + backward + SGD step + momentum update + enqueue, called directly, with
      the module's one-device setup (split BatchNorm, 8 splits, and the key-batch shuffle);
+   - the same module step with plain BatchNorm (``shuffle_bn: off``): what the split itself costs;
    - MoCo under ``Trainer.fit``: the real loop (logging every step, cosine lr), fed the same tensors by a free loader.
    At the start of each cycle a callback times ``--steps`` steps of the bare work and of the module step (order
    alternating), then the fit runs ``--steps`` timed steps. Medians over ``--repeats`` cycles; ratios paired per
@@ -109,8 +115,13 @@ def section1(args) -> None:
     import lightning.pytorch as pl
 
     model, dm, opt = setup_model(args)
+    plain, _, plain_opt = setup_model(args, "--model.shuffle_bn=off")
     x_q, x_k = views(dm, args.seed)
-    cases = {"bare encoder work": bare_step(model, x_q, x_k), "MoCo module step": module_step(model, opt, x_q, x_k)}
+    cases = {
+        "bare encoder work": bare_step(model, x_q, x_k),
+        f"MoCo module step, split BN ({model.hparams.bn_splits})": module_step(model, opt, x_q, x_k),
+        "MoCo module step, plain BN": module_step(plain, plain_opt, x_q, x_k),
+    }
     for fn in cases.values():  # warm-up: optimizer state, kernel choices
         fn()
     results: Dict[str, List[float]] = {name: [] for name in [*cases, "MoCo under Trainer.fit"]}
@@ -140,6 +151,76 @@ def section1(args) -> None:
     print_table(
         [[n, spread(v, 1, "{:.3f}"), f"{paired_ratio(v, base):.3f}"] for n, v in results.items()],
         ["case", "s/step", "ratio to bare"],
+    )
+
+
+class LoopSplitBatchNorm2d(nn.BatchNorm2d):
+    """The split BatchNorm #53 replaced, for comparison: a BatchNorm per contiguous sub-batch, concatenated."""
+
+    def __init__(self, num_features: int, num_splits: int) -> None:
+        super().__init__(num_features)
+        self.num_splits = num_splits
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.num_splits
+        stats = (self.running_mean.repeat(s, 1), self.running_var.repeat(s, 1))
+        y = torch.cat(
+            [
+                F.batch_norm(c, stats[0][j], stats[1][j], self.weight, self.bias, True, self.momentum, self.eps)
+                for j, c in enumerate(x.chunk(s))
+            ]
+        )
+        with torch.no_grad():
+            self.running_mean.copy_(stats[0].mean(0))
+            self.running_var.copy_(stats[1].mean(0))
+        return y
+
+
+def operator_counts(fn: Callable[[], None]) -> tuple[int, int]:
+    """(aten operators in a profile of one call, operators dispatched by one call)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Dispatched.n += 1
+            return func(*args, **(kwargs or {}))
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    with Dispatched():
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")), Dispatched.n
+
+
+def section0(args) -> None:
+    from moco_lightning.split_bn import SplitBatchNorm2d
+
+    x = torch.randn(128, 64, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
+    layers = {"BatchNorm2d": nn.BatchNorm2d(64)}
+    layers.update({f"SplitBatchNorm2d, {s} splits": SplitBatchNorm2d(64, s) for s in (2, 8, 32)})
+    layers["per-split loop (before #53), 8 splits"] = LoopSplitBatchNorm2d(64, 8)
+    steps = {name: (lambda m=m: m(x).sum().backward()) for name, m in layers.items()}
+    counts = {name: operator_counts(fn) for name, fn in steps.items()}
+    times = interleaved({n: (lambda f=f: time_per_call(f, 20)) for n, f in steps.items()}, args.repeats)
+    base, base_t = counts["BatchNorm2d"][0], times["BatchNorm2d"]
+    print("== 0. Split BatchNorm, one layer (128, 64, 8, 8) channels-last, forward + backward ==")
+    print_table(
+        [
+            [
+                n,
+                str(c[0]),
+                f"{c[0] / base:.2f}",
+                str(c[1]),
+                spread(times[n], 1e3, "{:.2f}"),
+                f"{paired_ratio(times[n], base_t):.2f}",
+            ]
+            for n, c in counts.items()
+        ],  # fmt: skip
+        ["layer", "aten ops (profiler)", "ratio to BN", "ops dispatched", "ms", "time ratio to BN"],
     )
 
 
@@ -190,7 +271,7 @@ def main(argv=None) -> None:
     p = parser(__doc__)
     p.add_argument("--config", default="fashion_mnist_moco_v2")
     p.add_argument("--override", nargs="*", default=[], help="CLI overrides, e.g. --override=--model.width=1.0")
-    p.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--sections", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=3, help="steps per measurement")
     p.set_defaults(threads=1)
@@ -199,7 +280,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     header("MoCo step overhead", args)
     for s in args.sections:
-        (section1, section2, section3)[s - 1](args)
+        (section0, section1, section2, section3)[s](args)
     footer(t0)
 
 

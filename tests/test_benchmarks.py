@@ -106,6 +106,12 @@ def test_ablations_runs_its_overrides(tmp_path):
 def test_step_overhead_sections():
     out = run("step_overhead.py", "--repeats", "1", "--steps", "1", "--threads", "1")
     assert "MoCo under Trainer.fit" in out and "module step, K=65536" in out and "lightly update_momentum" in out
+    assert "MoCo module step, split BN (8)" in out and "MoCo module step, plain BN" in out
+    cells = [[c.strip() for c in line.split("|")] for line in out.splitlines() if "|" in line]
+    counts = {c[0]: int(c[1]) for c in cells if "BatchNorm2d" in c[0] or c[0].startswith("per-split loop")}
+    # the split's operators do not grow with the splits; the loop's did
+    assert counts["SplitBatchNorm2d, 2 splits"] == counts["SplitBatchNorm2d, 32 splits"], counts
+    assert counts["per-split loop (before #53), 8 splits"] > 3 * counts["SplitBatchNorm2d, 8 splits"], counts
 
 
 def test_data_throughput_paths():

@@ -212,3 +212,20 @@ def test_its_cost_does_not_grow_with_the_splits(memory_format):
     prints the profiler's count beside BatchNorm2d's)."""
     counts = {s: split_bn_ops(s, memory_format) for s in (2, 8, 32)}
     assert counts[2] == counts[8] == counts[32] <= 55, counts
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["gpu-path", "cpu-path"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_statistics_of_each_path_equal_float64s(seeded, fused, dtype):
+    """Both ways of computing the sub-batches' statistics (a GPU's one Welford pass or its sums with an fp32
+    accumulator for bf16; a CPU's sums of x and x·x), on either device: fp32, against float64."""
+    from moco_lightning.split_bn import _moments
+
+    x = (torch.randn(16, 6, 5, 7) * 3 + 1.5).contiguous(memory_format=torch.channels_last).to(dtype)
+    xs = x.view(4, 4, 6, 5, 7)
+    var, mean = _moments(xs, fused)
+    ref_var, ref_mean = torch.var_mean(xs.double(), dim=(1, 3, 4), correction=0, keepdim=True)
+    assert var.dtype == mean.dtype == torch.float32 and var.shape == (4, 1, 6, 1, 1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: x·x rounded to 8 bits before the fp32 sum (CPU path)
+    torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(var.double(), ref_var, rtol=tol, atol=tol)
