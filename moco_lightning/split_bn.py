@@ -43,7 +43,10 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         if n % s != 0:
             raise ConfigError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
-        y, mean, var = _SplitBatchNorm.apply(x, self.weight, self.bias, s, self.eps)
+        n, c, h, w = x.shape
+        # splitting the batch dimension is a view in every memory format
+        ys, mean, var = _SplitBatchNorm.apply(x.view(s, n // s, c, h, w), self.weight, self.bias, self.eps)
+        y = ys.view(n, c, h, w)  # outside the Function: a ReLU(inplace=True) may then write into it
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             self._update_running_stats(mean, var, x.numel() // (s * x.shape[1]))
@@ -93,8 +96,8 @@ class _SplitBatchNorm(torch.autograd.Function):
     """Training-mode BatchNorm of each of ``s`` contiguous sub-batches, in a number of kernels independent of ``s``.
 
     Forward: the statistics of the ``(s, N/s, C, H, W)`` view in fp32 (:func:`_moments`), then ``y = x k + shift``
-    with per-(sub-batch, channel) ``k = γ / σ`` and ``shift = β - μ k`` in one fused pass written straight into an
-    output of the input's dtype and memory format. Backward: the two sums every BatchNorm backward needs (Σ dy and
+    with per-(sub-batch, channel) ``k = γ / σ`` and ``shift = β - μ k`` in one fused pass, in the input's dtype
+    and memory format. Backward: the two sums every BatchNorm backward needs (Σ dy and
     Σ dy x per sub-batch and channel, fp32), then ``dx = k dy - (P x + Q) / m`` in two fused passes. The
     per-channel coefficients are computed in fp32 and applied in the activations' dtype (bf16 passes with fp32
     coefficients ran 7x slower on a CPU). Returns ``(y, mean, biased variance)``, the statistics shaped
@@ -102,44 +105,38 @@ class _SplitBatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], s: int, eps: float):
-        n, c, h, w = x.shape
-        xs = x.view(s, n // s, c, h, w)  # splitting the batch dimension is a view in every memory format
-        var, mean = _moments(xs, fused=x.is_cuda)
+    def forward(ctx: Any, xs: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float):
+        c = xs.shape[2]
+        var, mean = _moments(xs, fused=xs.is_cuda)
         invstd = (var + eps).rsqrt_()
         k = invstd if weight is None else invstd * weight.view(1, 1, c, 1, 1)
         shift = torch.addcmul(bias.view(1, 1, c, 1, 1), mean, k, value=-1) if bias is not None else -mean * k
-        y = torch.empty_like(x)  # x's dtype and memory format (channels-last stays so for the next convolution)
-        torch.addcmul(shift.to(x.dtype), xs, k.to(x.dtype), out=y.view(s, n // s, c, h, w))
-        ctx.save_for_backward(x, mean, invstd, k)
-        ctx.s, ctx.affine = s, weight is not None
+        # an elementwise result takes the layout of its full-size input: x's memory format (channels-last stays so
+        # for the next convolution), so that it views back to (N, C, H, W)
+        ys = torch.addcmul(shift.to(xs.dtype), xs, k.to(xs.dtype))
+        ctx.save_for_backward(xs, mean, invstd, k)
+        ctx.affine = weight is not None
         ctx.mark_non_differentiable(mean, var)
-        return y, mean, var
+        return ys, mean, var
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dy: Tensor, _mean: Any, _var: Any):
-        x, mean, invstd, k = ctx.saved_tensors
-        n, c, h, w = x.shape
-        s = ctx.s
-        xs, dys = x.view(s, n // s, c, h, w), dy.view(s, n // s, c, h, w)
-        count = xs.numel() // (s * c)
+    def backward(ctx: Any, dys: Tensor, _mean: Any, _var: Any):
+        xs, mean, invstd, k = ctx.saved_tensors
+        count = xs.numel() // (xs.shape[0] * xs.shape[2])
         # the per-(sub-batch, channel) sums of dy and of dy (x - μ) = dy x - μ dy
         sum_dy = dys.sum(_REDUCED, keepdim=True, dtype=torch.float32)
         dot = torch.addcmul((dys * xs).sum(_REDUCED, keepdim=True, dtype=torch.float32), mean, sum_dy, value=-1)
         # dx = k (dy - Σdy / m - (x - μ) σ⁻² Σdy (x - μ) / m) = k dy - (P x + Q) / m,
         # P = k σ⁻² Σdy (x - μ), Q = k Σdy - P μ: P / m and Q / m in one scaling of the pair
         p = k * invstd * invstd * dot
-        pq = torch.cat([p, torch.addcmul(k * sum_dy, p, mean, value=-1)], 1).div_(-count).to(x.dtype)
-        dx = torch.empty_like(x)  # x's dtype and memory format
-        dxs = dx.view(s, n // s, c, h, w)
-        torch.addcmul(pq[:, 1:], xs, pq[:, :1], out=dxs)
-        dxs.addcmul_(dys, k.to(x.dtype))
+        pq = torch.cat([p, torch.addcmul(k * sum_dy, p, mean, value=-1)], 1).div_(-count).to(xs.dtype)
+        dxs = torch.addcmul(pq[:, 1:], xs, pq[:, :1]).addcmul_(dys, k.to(xs.dtype))  # x's layout
         if not ctx.affine:
-            return dx, None, None, None, None
+            return dxs, None, None, None
         # dγ = Σ dy x̂ = Σ_splits σ⁻¹ Σdy (x - μ), dβ = Σ dy
         grads = torch.cat([dot * invstd, sum_dy], 1).sum((0, 3, 4))
-        return dx, grads[0], grads[1], None, None
+        return dxs, grads[0].view(-1), grads[1].view(-1), None
 
 
 def split_batch_norm(
@@ -147,7 +144,8 @@ def split_batch_norm(
 ) -> Tensor:
     """Training-mode BatchNorm of ``x`` (N, C, H, W) over ``num_splits`` contiguous sub-batches (the statistics of
     rows ``[j N/s, (j + 1) N/s)`` normalise those rows), without running statistics."""
-    return _SplitBatchNorm.apply(x, weight, bias, num_splits, eps)[0]
+    n, c, h, w = x.shape
+    return _SplitBatchNorm.apply(x.view(num_splits, n // num_splits, c, h, w), weight, bias, eps)[0].view(n, c, h, w)
 
 
 def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:

@@ -229,3 +229,15 @@ def test_the_statistics_of_each_path_equal_float64s(seeded, fused, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: x·x rounded to 8 bits before the fp32 sum (CPU path)
     torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(var.double(), ref_var, rtol=tol, atol=tol)
+
+
+def test_an_inplace_relu_after_it_backpropagates_as_after_batchnorm(seeded):
+    """torchvision's blocks apply ReLU(inplace=True) to the BatchNorm's output: allowed, and the same gradients."""
+    layer, ref_layer = _layer(), _layer()
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(16, 6, 5, 7).contiguous(memory_format=torch.channels_last).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    nn.ReLU(inplace=True)(layer(x)).pow(2).sum().backward()
+    nn.ReLU(inplace=True)(reference(ref_layer, x_ref)[0]).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad, ref_layer.weight.grad, rtol=1e-5, atol=1e-5)
