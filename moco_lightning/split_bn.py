@@ -43,10 +43,7 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         if n % s != 0:
             raise ConfigError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
-        n, c, h, w = x.shape
-        # splitting the batch dimension is a view in every memory format
-        ys, mean, var = _SplitBatchNorm.apply(x.view(s, n // s, c, h, w), self.weight, self.bias, self.eps)
-        y = ys.view(n, c, h, w)  # outside the Function: a ReLU(inplace=True) may then write into it
+        y, mean, var = _SplitBatchNorm.apply(x, self.weight, self.bias, s, self.eps)
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             self._update_running_stats(mean, var, x.numel() // (s * x.shape[1]))
@@ -105,38 +102,52 @@ class _SplitBatchNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, xs: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float):
-        c = xs.shape[2]
+    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], s: int, eps: float):
+        n, c, h, w = x.shape
+        xs = x.view(s, n // s, c, h, w)  # splitting the batch dimension is a view in every memory format
         var, mean = _moments(xs, fused=xs.is_cuda)
         invstd = (var + eps).rsqrt_()
         k = invstd if weight is None else invstd * weight.view(1, 1, c, 1, 1)
         shift = torch.addcmul(bias.view(1, 1, c, 1, 1), mean, k, value=-1) if bias is not None else -mean * k
-        # an elementwise result takes the layout of its full-size input: x's memory format (channels-last stays so
-        # for the next convolution), so that it views back to (N, C, H, W)
-        ys = torch.addcmul(shift.to(xs.dtype), xs, k.to(xs.dtype))
-        ctx.save_for_backward(xs, mean, invstd, k)
-        ctx.affine = weight is not None
+        # the coefficients repeated per image, (N, C, 1, 1): y is a new (N, C, H, W) tensor in x's memory format
+        # (channels-last stays so for the next convolution; not a view, so a ReLU(inplace=True) may write into it)
+        shift_n, k_n = _per_image(torch.cat([shift, k], 1), n, x.dtype).unbind(1)
+        y = torch.addcmul(shift_n, x, k_n)
+        ctx.save_for_backward(x, mean, invstd, k, k_n)
+        ctx.s, ctx.affine = s, weight is not None
         ctx.mark_non_differentiable(mean, var)
-        return ys, mean, var
+        return y, mean, var
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dys: Tensor, _mean: Any, _var: Any):
-        xs, mean, invstd, k = ctx.saved_tensors
-        count = xs.numel() // (xs.shape[0] * xs.shape[2])
+    def backward(ctx: Any, dy: Tensor, _mean: Any, _var: Any):
+        x, mean, invstd, k, k_n = ctx.saved_tensors
+        n, c, h, w = x.shape
+        s = ctx.s
+        xs, dys = x.view(s, n // s, c, h, w), dy.view(s, n // s, c, h, w)
+        count = xs.numel() // (s * c)
         # the per-(sub-batch, channel) sums of dy and of dy (x - μ) = dy x - μ dy
         sum_dy = dys.sum(_REDUCED, keepdim=True, dtype=torch.float32)
         dot = torch.addcmul((dys * xs).sum(_REDUCED, keepdim=True, dtype=torch.float32), mean, sum_dy, value=-1)
         # dx = k (dy - Σdy / m - (x - μ) σ⁻² Σdy (x - μ) / m) = k dy - (P x + Q) / m,
         # P = k σ⁻² Σdy (x - μ), Q = k Σdy - P μ: P / m and Q / m in one scaling of the pair
         p = k * invstd * invstd * dot
-        pq = torch.cat([p, torch.addcmul(k * sum_dy, p, mean, value=-1)], 1).div_(-count).to(xs.dtype)
-        dxs = torch.addcmul(pq[:, 1:], xs, pq[:, :1]).addcmul_(dys, k.to(xs.dtype))  # x's layout
+        pq = torch.cat([p, torch.addcmul(k * sum_dy, p, mean, value=-1)], 1).div_(-count)
+        p_n, q_n = _per_image(pq, n, x.dtype).unbind(1)
+        dx = torch.addcmul(q_n, x, p_n).addcmul_(dy, k_n)  # x's layout
         if not ctx.affine:
-            return dxs, None, None, None
+            return dx, None, None, None, None
         # dγ = Σ dy x̂ = Σ_splits σ⁻¹ Σdy (x - μ), dβ = Σ dy
         grads = torch.cat([dot * invstd, sum_dy], 1).sum((0, 3, 4))
-        return dxs, grads[0].view(-1), grads[1].view(-1), None
+        return dx, grads[0].view(-1), grads[1].view(-1), None, None
+
+
+def _per_image(coefficients: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """Per-(sub-batch, channel) coefficients ``(s, K, C, 1, 1)`` repeated for each of the ``n`` images:
+    ``(n, K, C, 1, 1)`` in ``dtype`` (a small copy: the full-size passes then run on (N, C, H, W) tensors in the
+    input's layout, and their results are new tensors, not views)."""
+    s, kinds, c, _, _ = coefficients.shape
+    return coefficients.to(dtype).unsqueeze(1).expand(s, n // s, kinds, c, 1, 1).reshape(n, kinds, c, 1, 1)
 
 
 def split_batch_norm(
@@ -144,8 +155,7 @@ def split_batch_norm(
 ) -> Tensor:
     """Training-mode BatchNorm of ``x`` (N, C, H, W) over ``num_splits`` contiguous sub-batches (the statistics of
     rows ``[j N/s, (j + 1) N/s)`` normalise those rows), without running statistics."""
-    n, c, h, w = x.shape
-    return _SplitBatchNorm.apply(x.view(num_splits, n // num_splits, c, h, w), weight, bias, eps)[0].view(n, c, h, w)
+    return _SplitBatchNorm.apply(x, weight, bias, num_splits, eps)[0]
 
 
 def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:
