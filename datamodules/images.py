@@ -160,6 +160,9 @@ class BadImageError(BadInputError):
     """Image files that cannot be decoded (corrupt, truncated, not an image): ``path``/``cause`` is the first,
     ``found`` all of them ``[(path, cause)]`` when the split was scanned."""
 
+    #: how the message says to skip them, in a config; :meth:`for_option` names a command's own flag instead
+    REMEDY = "set data.skip_bad_images=true"
+
     def __init__(
         self,
         path: str,
@@ -177,9 +180,13 @@ class BadImageError(BadInputError):
         names = "; ".join(f"{p}: cannot be read as an image ({type(c).__name__}: {c})" for p, c in self.found)
         where = f" ({len(self.found)} unreadable of the {scanned} files of this split, all checked)" if scanned else ""
         super().__init__(
-            f"{names}{where}. Delete or replace them, or set data.skip_bad_images=true to skip unreadable "
+            f"{names}{where}. Delete or replace them, or {self.REMEDY} to skip unreadable "
             "images (each is replaced by a readable image of the same class, counted and reported)"
         )
+
+    def for_option(self, option: str) -> str:
+        """The message, telling to pass a command's ``option`` (``--skip_bad_images``) instead of the config key."""
+        return str(self).replace(self.REMEDY, f"pass {option}")
 
 
 # --- what the workers make of an image --------------------------------------------------------------

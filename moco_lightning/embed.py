@@ -16,6 +16,7 @@ neighbours (cosine similarity); ``--projector`` writes TensorBoard's embedding p
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,10 +36,12 @@ def embed_folder(
     num_workers: Optional[int] = None,
     neighbours: Optional[int] = None,
     projector: bool = False,
+    skip_bad_images: bool = False,
 ) -> tuple[Path, Path]:
     """Writes the features of every image below ``data`` (class folders or images alone) to ``out``, and with
     ``neighbours`` / ``projector`` the pictures of :mod:`moco_lightning.pictures`; returns the paths of
-    ``features.npy`` and ``index.csv``."""
+    ``features.npy`` and ``index.csv``. An unreadable image raises one error naming every unreadable file;
+    ``skip_bad_images`` embeds a readable image of the same class in its place (its row still names the file)."""
     import numpy as np
     from torch.utils.data import DataLoader
     from tqdm import tqdm
@@ -52,6 +55,7 @@ def embed_folder(
 
     if not Path(data).is_dir():
         raise ConfigError(f"--data {data}: not a folder; give the folder of your images (class folders or not)")
+    check_out_folder(out)
     if neighbours is not None and neighbours < 1:
         raise ConfigError(f"--neighbours {neighbours}: give the number of neighbours to show, 1 or more")
     state, architecture = encoder_of(ckpt, arg="--ckpt")  # the file read once
@@ -64,12 +68,16 @@ def embed_folder(
         std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))
         transform = eval_transform(size, mean, std, resize)
     samples, classes = scan_image_folder(Path(data))
-    images = ImageFileDataset(samples, Deterministic(transform), channels, 0, 0)
+    images = ImageFileDataset(samples, Deterministic(transform), channels, 0, 0, skip_bad_images)
     workers = default_workers() if num_workers is None else num_workers
     loader = DataLoader(images, batch_size=batch_size, num_workers=workers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batches = tqdm(loader, desc="embed", unit="batch", disable=None)  # a bar on a terminal, silent in a log
     features, _ = embed(backbone.to(device), batches, device, gather=False, normalize=False)
+    skipped = images.bad_images
+    if skipped:
+        print(f"embed: {len(skipped)} unreadable file(s) embedded as another image of the same class (their rows "
+              f"still name them): {', '.join(skipped)}", file=sys.stderr)  # fmt: skip
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "features.npy", features.float().cpu().numpy())
@@ -85,8 +93,16 @@ def embed_folder(
     return folder / "features.npy", folder / "index.csv"
 
 
+def check_out_folder(out: str | Path, flag: str = "--out") -> None:
+    """Before any work: ``out`` must be a folder or not exist yet (a file there would fail only after the work)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"{flag} {out}: a file is there; give a folder (new or existing) for the results")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     import argparse
+
+    from .datamodules import BadImageError
 
     doc = (__doc__ or "").split("\n\n")
     p = argparse.ArgumentParser(prog="moco-lightning embed", description=doc[0], epilog="\n\n".join(doc[1:]),
@@ -102,12 +118,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--neighbours", type=int, default=None, metavar="K",
                    help="also write neighbours.png: a few images beside their K nearest neighbours")  # fmt: skip
     p.add_argument("--projector", action="store_true", help="also write TensorBoard's projector (with image sprites)")
+    p.add_argument("--skip_bad_images", action="store_true",
+                   help="embed a readable image of the same class in place of an unreadable file")  # fmt: skip
     args = p.parse_args(argv)
     try:
         features, index = embed_folder(args.ckpt, args.data, args.out, args.mean, args.std, args.resize,
-                                       args.batch_size, args.num_workers, args.neighbours, args.projector)  # fmt: skip
+                                       args.batch_size, args.num_workers, args.neighbours, args.projector,
+                                       args.skip_bad_images)  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning embed: error: {e}\n")
+    except BadImageError as e:
+        p.exit(2, f"moco-lightning embed: error: {e.for_option('--skip_bad_images')}\n")
     import numpy as np
 
     shape = np.load(features, mmap_mode="r").shape

@@ -3,10 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
-if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z "${MOCO_SKIP_APT:-}" ]; then
-  echo "Installing Debian's dataset-fashion-mnist (offline default data)..."
-  ${SUDO:-$(command -v sudo >/dev/null && [ "$(id -u)" != 0 ] && echo sudo)} apt-get install -y -qq dataset-fashion-mnist
-fi
+[ -n "${MOCO_SKIP_APT:-}" ] || bash scripts/install_data.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1

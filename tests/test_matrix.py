@@ -491,3 +491,79 @@ def test_a_training_step_reads_nothing_back_to_the_host_between_logging_steps(me
     between = {step: reads.per_step[step] for step in (2, 4, 5, 6)}
     assert all(not where for where in between.values()), between
     assert reads.per_step[3] and reads.per_step[7]  # the logging steps (batches 4 and 8)
+
+
+# --- #54: what a demanding user found wrong from the outside, through the entry point they used ---------------------
+def _folder_with_a_corrupt_image(root: Path) -> Path:
+    from helpers.files import write_tree
+
+    write_tree(root, n_per_class=4, classes=("cat", "dog"))
+    (root / "train" / "cat" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    return root
+
+
+@pytest.mark.parametrize("command", ["evaluate", "embed"])
+def test_a_corrupt_image_is_one_line_naming_the_commands_own_flag_which_skips_it(command, tmp_path, capfd):
+    """#54.4: a DataLoader worker's 30-line traceback ending in "set data.skip_bad_images=true" (an option neither
+    command has): now one line, exit code 2, naming the file and --skip_bad_images, which then embeds / evaluates."""
+    from helpers.cli import cli_main
+    from helpers.data import FIXTURE_CKPT
+
+    root = _folder_with_a_corrupt_image(tmp_path / "photos")
+    args = {
+        "evaluate": ["--data_dir", str(root), "--fractions", "--k", "3", "--out", str(tmp_path / "out")],
+        "embed": ["--data", str(root / "train"), "--out", str(tmp_path / "out"), "--num_workers", "1"],
+    }[command]
+    assert cli_main(command, "--ckpt", FIXTURE_CKPT, *args) == 2
+    err = capfd.readouterr().err.strip()  # (evaluate says what it is computing first, on a line of its own)
+    assert "Traceback" not in err and [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+    assert err.splitlines()[-1].startswith(f"moco-lightning {command}: error: "), err
+    assert "broken.jpg: cannot be read as an image" in err and "pass --skip_bad_images" in err
+    assert "data.skip_bad_images" not in err
+    assert cli_main(command, "--ckpt", FIXTURE_CKPT, *args, "--skip_bad_images") == 0
+    assert "broken.jpg" in capfd.readouterr().err  # skipped, and said
+
+
+@pytest.mark.parametrize("command", ["evaluate", "embed"])
+def test_an_out_that_is_a_file_is_refused_before_any_work(command, tmp_path, capsys, monkeypatch):
+    """#54.5: ``--out`` naming an existing file raised FileExistsError after the whole evaluation (its results lost):
+    now one line before anything is read or computed."""
+    from helpers.cli import cli_main
+    from helpers.data import FIXTURE_CKPT
+    from helpers.files import write_tree
+
+    import moco_lightning.cli.evaluate as cli_evaluate
+    import moco_lightning.encoder as encoder
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before --out was checked")
+
+    monkeypatch.setattr(cli_evaluate, "datamodule_of", no_work)
+    monkeypatch.setattr(encoder, "encoder_of", no_work)
+    root = write_tree(tmp_path / "photos", n_per_class=2)
+    (tmp_path / "taken").write_text("a file")
+    data = ["--data_dir", str(root)] if command == "evaluate" else ["--data", str(root / "train")]
+    assert cli_main(command, "--ckpt", FIXTURE_CKPT, *data, "--out", str(tmp_path / "taken")) == 2
+    assert f"--out {tmp_path / 'taken'}: a file is there; give a folder" in capsys.readouterr().err
+
+
+def test_the_data_install_fetches_the_package_lists_first(tmp_path):
+    """#54.8: on a machine whose package lists were never fetched, ``apt-get install`` finds no package: the set-up
+    (scripts/setup.sh and CI, through scripts/install_data.sh) runs ``apt-get update`` first; nothing when the data
+    is there."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "apt.log"}\n')
+    (bin_dir / "apt-get").chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SUDO=" ")
+    for data in (tmp_path / "missing.gz", Path(__file__)):  # not installed; installed (any existing file)
+        run = subprocess.run(["bash", "scripts/install_data.sh"], cwd=root, capture_output=True, text=True,
+                             env=dict(env, MOCO_FASHION_MNIST_FILE=str(data)))  # fmt: skip
+        assert run.returncode == 0, run.stderr
+    assert (tmp_path / "apt.log").read_text().splitlines() == ["update -qq", "install -y -qq dataset-fashion-mnist"]
+    assert "bash scripts/install_data.sh" in (root / "scripts" / "setup.sh").read_text()
+    assert "bash scripts/install_data.sh" in (root / ".ci" / "run").read_text()

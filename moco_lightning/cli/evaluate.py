@@ -11,6 +11,8 @@ from typing import Any, Optional, Sequence
 
 from .. import evaluate as measure
 from ..compat import constructor_arguments
+from ..datamodules import BadImageError
+from ..embed import check_out_folder
 from ..errors import ConfigError
 from ..evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate, markdown, plot, run_name
 
@@ -31,12 +33,17 @@ def folder_settings(ckpt: str) -> dict:
 
 
 def datamodule_of(
-    config: Optional[str], split: str, fast: bool, data_dir: Optional[str] = None, ckpt: Optional[str] = None
+    config: Optional[str],
+    split: str,
+    fast: bool,
+    data_dir: Optional[str] = None,
+    ckpt: Optional[str] = None,
+    skip_bad_images: bool = False,
 ) -> Any:
     """The evaluation datamodule: the ``data:`` section of ``config`` (any datamodule class path), an image folder
     ``data_dir`` (``train/`` and ``val/`` of class folders, read as the encoder of ``ckpt`` was pretrained:
-    :func:`folder_settings`), or Fashion-MNIST; with the evaluation views, ``holdout`` for ``split="val"``, and the
-    first 2000 / 500 images for ``fast``."""
+    :func:`folder_settings`), or Fashion-MNIST; with the evaluation views, ``holdout`` for ``split="val"``, the
+    first 2000 / 500 images for ``fast``, and ``skip_bad_images`` where the datamodule reads files."""
     import importlib
 
     from jsonargparse import ArgumentParser
@@ -76,6 +83,10 @@ def datamodule_of(
     accepted = constructor_arguments(cls, LightningDataModule)
     init = dict(data.get("init_args") or {})
     init.update({k: v for k, v in (("pretrain", False), ("supervised_min_scale", 1.0)) if k in accepted})
+    if skip_bad_images:
+        if "skip_bad_images" not in accepted:
+            raise ConfigError(f"--skip_bad_images: {name} reads no image files (it has no skip_bad_images argument)")
+        init["skip_bad_images"] = True
     for key in ("local_views", "local_size", "erase_prob", "translate", "rotation"):
         init.pop(key, None)  # pretraining views: not used by evaluation
     if split == "val":
@@ -146,6 +157,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--out", default=None, help="folder for evaluate.md/.json/.png (default runs/evaluate/<name>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--skip_bad_images", action="store_true",
+        help="an image folder: read a readable image of the same class in place of an unreadable file",
+    )  # fmt: skip
+    p.add_argument(
         "--fast",
         action="store_true",
         help="a smoke run: 2000 / 500 images; 5 %% of labels and 10 steps unless --fractions / --steps say otherwise",
@@ -162,16 +177,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.exit(2, f"moco-lightning evaluate: error: --fractions {fractions}: each must be in (0, 1]\n")
     if any(n < 1 for n in args.per_class):
         p.exit(2, f"moco-lightning evaluate: error: --per_class {args.per_class}: each must be at least 1\n")
+    out = Path(args.out or Path("runs") / "evaluate" / run_name(args.ckpt))
     try:
-        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, args.ckpt)
+        check_out_folder(out)  # before the work, not after it
+        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, args.ckpt, args.skip_bad_images)
         check_label_budgets(dm, len(fractions) + len(args.per_class))
         result = evaluate(args.ckpt, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning evaluate: error: {e}\n")
+    except BadImageError as e:
+        p.exit(2, f"moco-lightning evaluate: error: {e.for_option('--skip_bad_images')}\n")
     result["split"] = args.split
+    skipped = getattr(dm, "bad_images", [])
+    if skipped:
+        result["unreadable_images_replaced"] = skipped
+        print(f"evaluate: {len(skipped)} unreadable file(s) read as another image of the same class "
+              f"(--skip_bad_images): {', '.join(skipped)}", file=sys.stderr)  # fmt: skip
     table = markdown(result)
     print(table)
-    out = Path(args.out or Path("runs") / "evaluate" / run_name(args.ckpt))
     out.mkdir(parents=True, exist_ok=True)
     (out / "evaluate.md").write_text(table + "\n")
     (out / "evaluate.json").write_text(json.dumps(result, indent=2) + "\n")
