@@ -60,6 +60,7 @@ class Preemption:
             then = "the requeued job restores it"
         else:
             path = checkpoint_path(trainer)
+            claim_last(trainer, path)
             trainer.save_checkpoint(path)
             then = "resume with --ckpt_path last"
         if trainer.is_global_zero:
@@ -82,3 +83,13 @@ def checkpoint_path(trainer: Any) -> str:
     if callback is not None and folder:
         return os.path.join(folder, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
     return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+
+def claim_last(trainer: Any, path: str) -> None:
+    """The checkpoint callback takes ``path`` for its own ``last.ckpt`` before the preemption's save (as its own
+    saves do: the path is part of the state saved). Otherwise a run resumed from it restores a callback that never
+    wrote ``last.ckpt``, finds the file there and writes its end state to ``last-v1.ckpt``, leaving ``last.ckpt`` at
+    the preempted step, where ``evaluate`` / ``export`` / ``embed`` read it."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and getattr(callback, "save_last", False) and hasattr(callback, "last_model_path"):
+        callback.last_model_path = path

@@ -567,3 +567,29 @@ def test_the_data_install_fetches_the_package_lists_first(tmp_path):
     assert (tmp_path / "apt.log").read_text().splitlines() == ["update -qq", "install -y -qq dataset-fashion-mnist"]
     assert "bash scripts/install_data.sh" in (root / "scripts" / "setup.sh").read_text()
     assert "bash scripts/install_data.sh" in (root / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.xdist_group(m)) for m in ("moco_v2", "byol")])
+def test_last_ckpt_of_a_preempted_run_resumed_is_the_runs_last_step(method, tmp_path):
+    """#54.1: SIGTERM inside the first epoch (before the checkpoint callback had saved ``last.ckpt``), then the same
+    command with ``--ckpt_path last``: the run's end state was written to ``last-v1.ckpt`` and ``last.ckpt`` stayed at
+    the preempted step, which evaluate / export / embed read. Now ``last.ckpt`` is bit-equal to the uninterrupted
+    run's (constant schedules) and there is no other ``last``."""
+    straight = config(method, tmp_path / "straight", every_step=False)  # last.ckpt at each epoch's end
+    assert in_process("fit", "--config", str(straight), quiet=True).trainer.global_step == 8
+    preempted = config(method, tmp_path / "preempted", every_step=False)
+    text = yaml.safe_load(preempted.read_text())
+    signal = {"class_path": "helpers.callbacks.SignalAt", "init_args": {"step": 2, "signum": "SIGTERM"}}
+    text["trainer"]["callbacks"].append(signal)
+    preempted.write_text(yaml.safe_dump(text))
+    with pytest.raises(SystemExit):  # Lightning's clean exit of a terminated run
+        in_process("fit", "--config", str(preempted), quiet=True)
+    folder = tmp_path / "preempted" / "ckpt"
+    assert state(folder / "last.ckpt")["global_step"] == 2
+    resumed = config(method, tmp_path / "preempted", every_step=False)  # the same command, --ckpt_path last
+    assert in_process("fit", "--config", str(resumed), "--ckpt_path", "last", quiet=True).trainer.global_step == 8
+    assert sorted(p.name for p in folder.glob("last*.ckpt")) == ["last.ckpt"]
+    final, whole = state(folder / "last.ckpt"), state(tmp_path / "straight" / "ckpt" / "last.ckpt")
+    assert final["global_step"] == whole["global_step"] == 8
+    for key, value in whole["state_dict"].items():
+        assert torch.equal(final["state_dict"][key], value), key
