@@ -234,3 +234,12 @@ class CLIHooks:
 
     def subcommand_parser(self, subcommand: str) -> Any:
         return self._subcommand_parsers[subcommand]
+
+
+def record_hyperparameters(module: Any, **values: Any) -> None:
+    """Sets ``values`` in ``module.hparams`` (checkpoints) and in the initial copy the loggers write to
+    ``hparams.yaml``: what a run did where it differs from what it was given."""
+    module.hparams.update(values)
+    initial = getattr(module, "_hparams_initial", None)
+    if initial is not None:
+        initial.update(values)

@@ -199,17 +199,19 @@ def check_same_features(module: nn.Module, reference: nn.Module, architecture: d
 
 def choose_encoder(
     backbone: Any, source: Optional[str], arg: str, weights: bool, feature_dim: Optional[int], **architecture: Any
-) -> tuple[nn.Module, int]:
-    """The encoder an evaluation trains on, and its feature size: ``backbone`` (a module, or a name built with
-    ``architecture``: :func:`moco_lightning.backbones.build_backbone`'s arguments) with the weights of ``source``
-    when given and ``weights``; without ``backbone``, the encoder of ``source`` (:func:`load_encoder`)."""
+) -> tuple[nn.Module, int, dict]:
+    """The encoder an evaluation trains on, its feature size and the architecture it was built as: ``backbone`` (a
+    module, or a name built with ``architecture``: :func:`moco_lightning.backbones.build_backbone`'s arguments) with
+    the weights of ``source`` when given and ``weights``; without ``backbone``, the encoder of ``source`` as the file
+    records it (:func:`encoder_of`; ``architecture`` is then not used)."""
     if backbone is None:
         if source is None:
             raise ConfigError(
                 "LinearClassifier needs a backbone: set model.ckpt_path (a checkpoint of pretraining) or "
                 "model.backbone_state_dict (a file `moco-lightning export` wrote), or model.backbone"
             )
-        return load_encoder(source, weights=weights, arg=arg)
+        state, recorded = encoder_of(source, arg=arg)
+        return (*encoder_from(state, recorded, weights), recorded)
     if isinstance(backbone, nn.Module) and feature_dim is not None:
         module, dim = backbone, feature_dim
     else:
@@ -217,4 +219,20 @@ def choose_encoder(
         module, dim = build_backbone(backbone, **architecture)
     if source is not None and weights:
         load_weights(module, source, arg)
-    return module, dim
+    return module, dim, {"backbone": backbone, **architecture} if isinstance(backbone, str) else {}
+
+
+def contradictions(given: dict, defaults: dict, recorded: dict) -> list[str]:
+    """The architecture settings in ``given`` that were set (differ from ``defaults``) to other values than the
+    encoder's ``recorded`` architecture: ``["width=2.0 (the encoder's: 0.5)", ...]``. The stem is compared as built
+    (``cifar_stem=True`` is the ``"cifar"`` stem)."""
+
+    def stem(a: dict) -> str:
+        return a.get("stem") or ("cifar" if a.get("cifar_stem") else "imagenet")
+
+    out = [f"{k}={given[k]} (the encoder's: {recorded[k]})" for k in ("in_channels", "image_size", "width")
+           if k in recorded and given[k] != defaults[k] and given[k] != recorded[k]]  # fmt: skip
+    set_stem = given.get("stem") is not None or given.get("cifar_stem")
+    if set_stem and stem(given) != stem(recorded):
+        out.append(f"stem={stem(given)} (the encoder's: {stem(recorded)})")
+    return out

@@ -20,6 +20,7 @@ pretrained encoder has to beat (``configs/low_label.yaml`` has the three side by
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any, Literal, Optional, Sequence, Union
@@ -36,7 +37,7 @@ from .checkpoint_io import load_checkpoints_safely
 from .continuity import Continuing
 from .datamodules.selection import check_classification_data, check_label_subset, select_labels, training_targets
 from .distributed import end_process_group_at_exit
-from .encoder import choose_encoder
+from .encoder import choose_encoder, contradictions
 from .errors import RANGES, ConfigError, check_arguments
 
 __all__ = ["LinearClassifier"]
@@ -114,13 +115,22 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         check_combinations(locals())
         self.save_hyperparameters(ignore=["backbone"] if isinstance(backbone, nn.Module) else None)
         self.finetune = bool(finetune or from_scratch)
-        self.hparams.finetune = self.finetune  # what this run does, in hparams.yaml and checkpoints
+        _lightning.record_hyperparameters(self, finetune=self.finetune)  # what this run does
         source = ckpt_path if ckpt_path is not None else backbone_state_dict
         arg = "model.ckpt_path" if ckpt_path is not None else "model.backbone_state_dict"
         architecture = dict(cifar_stem=cifar_stem, in_channels=in_channels, image_size=image_size, width=width)
-        self.backbone, dim = choose_encoder(
+        self.backbone, dim, built = choose_encoder(
             backbone, source, arg, not from_scratch, feature_dim, stem=stem, **architecture
         )
+        if backbone is None:  # the file's encoder: a setting that says otherwise is refused, what was built recorded
+            wrong = contradictions({**architecture, "stem": stem}, LINEAR_DEFAULTS, built)
+            if wrong:
+                raise ConfigError(
+                    f"LinearClassifier: {', '.join(f'model.{w}' for w in wrong)}: {arg} builds its encoder as it was "
+                    "pretrained; drop these settings (to train another architecture, set model.backbone too)"
+                )
+            _lightning.record_hyperparameters(self, **{k: v for k, v in built.items() if k in LINEAR_DEFAULTS})
+        self.architecture = built
         self.feature_dim = int(feature_dim if feature_dim is not None else dim)
         self.backbone.requires_grad_(self.finetune)
         self.backbone.train(self.finetune)
@@ -144,6 +154,14 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         end_process_group_at_exit()
         classes = self.head.out_features if self.head is not None else None
         check_classification_data(dm, self.backbone, classes)
+        trained, given = self.architecture.get("image_size"), getattr(dm, "image_size", None)
+        if trained and given and trained != given:
+            warnings.warn(
+                f"LinearClassifier: the encoder was pretrained on {trained} px images and the datamodule gives {given} "
+                f"px: its features at another size are not the pretrained ones; set data.image_size to {trained} "
+                "unless that is what you mean",
+                stacklevel=2,
+            )
         if stage == "fit":
             targets = training_targets(dm, classes)
             if hp.label_fraction is not None or hp.labels_per_class is not None:
@@ -218,6 +236,14 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
         scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp.milestones), gamma=0.1)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+
+#: the architecture settings' defaults: a value that differs was set by the user
+LINEAR_DEFAULTS = {
+    k: v.default
+    for k, v in inspect.signature(LinearClassifier.__init__).parameters.items()
+    if k in ("cifar_stem", "stem", "in_channels", "image_size", "width")
+}
 
 
 if __name__ == "__main__":  # python -m moco_lightning.linear_eval fit ...: the library's CLI over LinearClassifier

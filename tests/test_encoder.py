@@ -43,7 +43,7 @@ def test_a_module_of_ones_own_takes_the_files_weights_and_a_nameless_checkpoint_
     load_weights(mine, tmp_path / "own.ckpt")
     for name, value in mine.state_dict().items():
         assert torch.equal(value, model.backbone.state_dict()[name])
-    chosen, dim = choose_encoder(tiny_backbone(), str(tmp_path / "own.ckpt"), "model.ckpt_path", True, 16)
+    chosen, dim, _ = choose_encoder(tiny_backbone(), str(tmp_path / "own.ckpt"), "model.ckpt_path", True, 16)
     assert dim == 16 and torch.equal(chosen.state_dict()["0.weight"], model.backbone.state_dict()["0.weight"])
     with pytest.raises(ConfigError, match="LinearClassifier needs a backbone"):
         choose_encoder(None, None, "model.ckpt_path", True, None)

@@ -593,3 +593,32 @@ def test_last_ckpt_of_a_preempted_run_resumed_is_the_runs_last_step(method, tmp_
     assert final["global_step"] == whole["global_step"] == 8
     for key, value in whole["state_dict"].items():
         assert torch.equal(final["state_dict"][key], value), key
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_linear_refuses_an_architecture_its_checkpoint_contradicts_and_records_the_one_it_used(
+    method, tmp_path_factory, tmp_path, capsys
+):
+    """#54.3: ``linear fit --model.ckpt_path X --model.width 2.0 --model.stem imagenet --model.image_size 64`` used
+    the checkpoint's encoder and recorded the flags (without them, the unused defaults: 3 channels, 224 px). Now the
+    contradiction is one line, and hparams.yaml records the architecture that was trained on."""
+    from helpers.cli import cli_main
+
+    path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
+    common = ["--config", "configs/linear_eval.yaml", "--model.ckpt_path", str(path), "--trainer.max_steps", "1",
+              "--trainer.limit_val_batches", "1", f"--trainer.logger.init_args.save_dir={tmp_path}",
+              "--trainer.enable_progress_bar", "false", "--data.init_args.batch_size", "8",
+              "--data.init_args.train_subset", "64", "--data.init_args.val_subset", "8",
+              "--trainer.callbacks", "[]"]  # fmt: skip
+    assert cli_main("linear", "fit", *common, "--model.width", "2.0", "--model.image_size", "64") == 2
+    err = capsys.readouterr().err
+    assert "model.image_size=64 (the encoder's: 28), model.width=2.0 (the encoder's: " in err, err[-2000:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cli_main("linear", "fit", *common) == 0
+    recorded = yaml.safe_load(next(tmp_path.rglob("hparams.yaml")).read_text())
+    built = {k: v for k, v in {**TINY, **METHODS[method][1]}.items() if k in ("in_channels", "image_size", "width")}
+    assert {k: recorded[k] for k in built} == built
+    if method != "moco_v3_vit":  # (a ViT's patch grid is fixed: torchvision refuses other sizes itself)
+        with pytest.warns(UserWarning, match="pretrained on 28 px images and the datamodule gives 56 px"):
+            assert cli_main("linear", "fit", *common, "--data.init_args.image_size", "56") == 0
