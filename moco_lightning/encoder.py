@@ -26,6 +26,7 @@ from .errors import ConfigError
 
 ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
 ARCHITECTURE_KEY = "moco_lightning"  # the key of the architecture in an export's _metadata
+ENCODER_KEY = "encoder"  # a LinearClassifier checkpoint's record of its backbone: architecture, evaluation transform
 TRANSFORM_KEY = "moco_lightning_transform"  # and of the evaluation transform (mean, std, size, channels, resize)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -62,9 +63,17 @@ def checkpoint_backbone(
 ) -> OrderedDict[str, torch.Tensor]:
     """The query (default) or key encoder's backbone weights of a checkpoint read from ``path`` (named in the
     errors), keys as in torchvision, the architecture in ``_metadata`` when the hyper-parameters name it."""
+    if isinstance(checkpoint, dict) and ENCODER_KEY in checkpoint and "state_dict" in checkpoint:
+        return classifier_backbone(checkpoint, path, encoder)
     if not isinstance(checkpoint, dict) or "moco_lightning" not in checkpoint or "state_dict" not in checkpoint:
         raise ConfigError(
             f"{path} is not a checkpoint of moco-lightning pretraining (no 'moco_lightning' / 'state_dict' entry)"
+            + (
+                ", nor of a linear evaluation or fine-tuning that records its encoder (a LinearClassifier's from an "
+                "older moco-lightning?): export the encoder of the pretraining checkpoint instead"
+                if isinstance(checkpoint, dict) and "head.weight" in (checkpoint.get("state_dict") or {})
+                else ""
+            )
         )
     name = "backbone" if encoder == "query" else momentum_backbone(checkpoint)
     if name is None:
@@ -81,6 +90,27 @@ def checkpoint_backbone(
     if architecture is not None:
         described = {ARCHITECTURE_KEY: architecture, **({TRANSFORM_KEY: transform} if transform else {})}
         state._metadata = OrderedDict(described)  # type: ignore[attr-defined]
+    return state
+
+
+def classifier_backbone(checkpoint: dict, path: str | Path, encoder: str = "query") -> OrderedDict[str, torch.Tensor]:
+    """The backbone of a :class:`~moco_lightning.linear_eval.LinearClassifier` checkpoint (a linear evaluation: the
+    pretrained encoder, frozen; a fine-tuning: the encoder it trained), with the architecture and evaluation
+    transform it recorded (``checkpoint["encoder"]``)."""
+    if encoder != "query":
+        raise ConfigError(
+            f"{path} is a linear-evaluation / fine-tuning checkpoint: it holds one encoder, not a momentum copy; use "
+            "--encoder query (its backbone)"
+        )
+    state = OrderedDict((k[len("backbone.") :], v) for k, v in checkpoint["state_dict"].items()
+                        if k.startswith("backbone."))  # fmt: skip
+    recorded = checkpoint[ENCODER_KEY]
+    if not state or not recorded.get("architecture"):
+        raise ConfigError(f"{path}: a linear-evaluation checkpoint without backbone.* weights or their architecture")
+    described = {ARCHITECTURE_KEY: recorded["architecture"]}
+    if recorded.get("transform"):
+        described[TRANSFORM_KEY] = recorded["transform"]
+    state._metadata = OrderedDict(described)  # type: ignore[attr-defined]
     return state
 
 
@@ -200,7 +230,8 @@ def check_same_features(module: nn.Module, reference: nn.Module, architecture: d
 def choose_encoder(
     backbone: Any, source: Optional[str], arg: str, weights: bool, feature_dim: Optional[int], **architecture: Any
 ) -> tuple[nn.Module, int, dict]:
-    """The encoder an evaluation trains on, its feature size and the architecture it was built as: ``backbone`` (a
+    """The encoder an evaluation trains on, its feature size and its record (``{"architecture": what it was built
+    as, empty for a module; "transform": the evaluation transform its file recorded}``): ``backbone`` (a
     module, or a name built with ``architecture``: :func:`moco_lightning.backbones.build_backbone`'s arguments) with
     the weights of ``source`` when given and ``weights``; without ``backbone``, the encoder of ``source`` as the file
     records it (:func:`encoder_of`; ``architecture`` is then not used)."""
@@ -211,7 +242,7 @@ def choose_encoder(
                 "model.backbone_state_dict (a file `moco-lightning export` wrote), or model.backbone"
             )
         state, recorded = encoder_of(source, arg=arg)
-        return (*encoder_from(state, recorded, weights), recorded)
+        return (*encoder_from(state, recorded, weights), dict(architecture=recorded, transform=transform_in(state)))
     if isinstance(backbone, nn.Module) and feature_dim is not None:
         module, dim = backbone, feature_dim
     else:
@@ -219,7 +250,8 @@ def choose_encoder(
         module, dim = build_backbone(backbone, **architecture)
     if source is not None and weights:
         load_weights(module, source, arg)
-    return module, dim, {"backbone": backbone, **architecture} if isinstance(backbone, str) else {}
+    built = {"backbone": backbone, **architecture} if isinstance(backbone, str) else {}
+    return module, dim, dict(architecture=built, transform=None)
 
 
 def contradictions(given: dict, defaults: dict, recorded: dict) -> list[str]:

@@ -37,7 +37,7 @@ from .checkpoint_io import load_checkpoints_safely
 from .continuity import Continuing
 from .datamodules.selection import check_classification_data, check_label_subset, select_labels, training_targets
 from .distributed import end_process_group_at_exit
-from .encoder import choose_encoder, contradictions
+from .encoder import ENCODER_KEY, choose_encoder, contradictions
 from .errors import RANGES, ConfigError, check_arguments
 
 __all__ = ["LinearClassifier"]
@@ -119,9 +119,10 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         source = ckpt_path if ckpt_path is not None else backbone_state_dict
         arg = "model.ckpt_path" if ckpt_path is not None else "model.backbone_state_dict"
         architecture = dict(cifar_stem=cifar_stem, in_channels=in_channels, image_size=image_size, width=width)
-        self.backbone, dim, built = choose_encoder(
+        self.backbone, dim, self.encoder_record = choose_encoder(
             backbone, source, arg, not from_scratch, feature_dim, stem=stem, **architecture
         )
+        built = self.encoder_record["architecture"]
         if backbone is None:  # the file's encoder: a setting that says otherwise is refused, what was built recorded
             wrong = contradictions({**architecture, "stem": stem}, LINEAR_DEFAULTS, built)
             if wrong:
@@ -130,7 +131,6 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
                     "pretrained; drop these settings (to train another architecture, set model.backbone too)"
                 )
             _lightning.record_hyperparameters(self, **{k: v for k, v in built.items() if k in LINEAR_DEFAULTS})
-        self.architecture = built
         self.feature_dim = int(feature_dim if feature_dim is not None else dim)
         self.backbone.requires_grad_(self.finetune)
         self.backbone.train(self.finetune)
@@ -154,7 +154,7 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         end_process_group_at_exit()
         classes = self.head.out_features if self.head is not None else None
         check_classification_data(dm, self.backbone, classes)
-        trained, given = self.architecture.get("image_size"), getattr(dm, "image_size", None)
+        trained, given = self.encoder_record["architecture"].get("image_size"), getattr(dm, "image_size", None)
         if trained and given and trained != given:
             warnings.warn(
                 f"LinearClassifier: the encoder was pretrained on {trained} px images and the datamodule gives {given} "
@@ -179,6 +179,8 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.labelled_indices is not None:
             checkpoint["labelled_indices"] = self.labelled_indices.clone()
+        if self.encoder_record["architecture"]:  # export / evaluate / embed then read its backbone
+            checkpoint[ENCODER_KEY] = self.encoder_record
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.continue_history(checkpoint)  # a cut epoch re-opened, the loggers' history kept

@@ -622,3 +622,37 @@ def test_linear_refuses_an_architecture_its_checkpoint_contradicts_and_records_t
     if method != "moco_v3_vit":  # (a ViT's patch grid is fixed: torchvision refuses other sizes itself)
         with pytest.warns(UserWarning, match="pretrained on 28 px images and the datamodule gives 56 px"):
             assert cli_main("linear", "fit", *common, "--data.init_args.image_size", "56") == 0
+
+
+@pytest.mark.parametrize("method", GROUPS)
+def test_a_fine_tuned_checkpoint_exports_its_backbone(method, tmp_path_factory, tmp_path, capsys):
+    """#54.6: a linear-evaluation or fine-tuning checkpoint given to export / evaluate / embed was "not a checkpoint
+    of moco-lightning pretraining" though it holds the backbone: its backbone (the fine-tuned one) is exported, and
+    read by evaluate and embed, with the architecture and evaluation transform of its pretraining."""
+    from helpers.cli import cli_main
+    from helpers.files import write_tree
+    from lightning.pytorch import Trainer
+
+    from moco_lightning import load_backbone
+    from moco_lightning.datamodules import FashionMNISTDataModule
+    from moco_lightning.linear_eval import LinearClassifier
+
+    path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
+    classifier = LinearClassifier(ckpt_path=str(path), finetune=True, lr=0.05, schedule="cosine")
+    trainer = Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(classifier, FashionMNISTDataModule(batch_size=8, train_subset=64, pretrain=False, seed=0))
+    tuned = next(tmp_path.rglob("*.ckpt"))
+    assert cli_main("export", "--ckpt", str(tuned), "--out", str(tmp_path / "tuned.pt")) == 0
+    backbone = load_backbone(str(tmp_path / "tuned.pt"))
+    for key, weight in classifier.backbone.state_dict().items():
+        assert torch.equal(backbone.state_dict()[key], weight), key
+    if method == "moco_v2":
+        root = write_tree(tmp_path / "photos", n_per_class=2)
+        assert cli_main("embed", "--ckpt", str(tuned), "--data", str(root / "train"), "--out", str(tmp_path / "e")) == 0
+        assert cli_main("evaluate", "--ckpt", str(tuned), "--fast", "--fractions", "--k", "3", "--out",
+                        str(tmp_path / "v")) == 0  # fmt: skip
