@@ -10,7 +10,7 @@ from typing import Any, Optional
 from .checkpoint_io import read_checkpoint
 from .compat import upgrade
 from .errors import ConfigError
-from .run_state import is_subclass_path, saved_class
+from .run_state import imported_class, is_subclass_path, saved_class
 
 
 def load_module(
@@ -22,11 +22,14 @@ def load_module(
 
     checkpoint = read_checkpoint(checkpoint_path, map_location=map_location or "cpu")
     saved = saved_class(checkpoint)
-    if saved and saved.rsplit(".", 1)[-1] != cls.__name__ and not is_subclass_path(saved, cls):
-        raise ConfigError(
-            f"{checkpoint_path}: a checkpoint of {saved}, not of {cls.__module__}.{cls.__qualname__}: load it with "
-            f"{saved.rsplit('.', 1)[-1]}.load_from_checkpoint"
-        )
+    if saved and saved.rsplit(".", 1)[-1] != cls.__name__:
+        if not is_subclass_path(saved, cls):
+            raise ConfigError(
+                f"{checkpoint_path}: a checkpoint of {saved}, not of {cls.__module__}.{cls.__qualname__}: load it "
+                f"with {saved.rsplit('.', 1)[-1]}.load_from_checkpoint"
+            )
+        # a base class asked (Pretraining.load_from_checkpoint): the subclass that wrote it, already imported
+        cls = imported_class(saved)
     upgrade(checkpoint, cls)
     # built by cls(**hyper-parameters) itself: a backbone the CLI built from a class_path is recorded as that spec,
     # which build_backbone rebuilds (Lightning's CLI instantiator would hand over a module and lose the spec)

@@ -225,10 +225,17 @@ def continue_run(module: Resumable, resume: dict) -> None:
         plan.continue_plan(module, module.step_plan)
 
 
-def is_subclass_path(path: str, cls: type) -> bool:
-    """``path`` names an already imported subclass of ``cls`` (nothing is imported for a checkpoint's say-so)."""
+def imported_class(path: str) -> Any:
+    """The class ``path`` names if its module is imported already, else None (nothing is imported for a checkpoint's
+    say-so)."""
     import sys
 
     module, _, name = path.rpartition(".")
     found = getattr(sys.modules.get(module), name, None)
-    return isinstance(found, type) and issubclass(found, cls)
+    return found if isinstance(found, type) else None
+
+
+def is_subclass_path(path: str, cls: type) -> bool:
+    """``path`` names an already imported subclass of ``cls``."""
+    found = imported_class(path)
+    return found is not None and issubclass(found, cls)
