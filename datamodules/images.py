@@ -54,12 +54,15 @@ def list_classes(root: Path) -> List[str]:
     return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
 
 
-def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tuple[List[Tuple[str, int]], List[str]]:
+def scan_image_folder(
+    root: Path, classes: Optional[Sequence[str]] = None, allow_empty: bool = False
+) -> Tuple[List[Tuple[str, int]], List[str]]:
     """Returns ``(samples [(path, target)], classes)``.
 
     Class subfolders give the targets (in sorted order, or the order of ``classes`` when given, so a
     val folder uses the train folder's indices); a folder with images and no subfolders is unlabelled
-    (targets -1, classes []).
+    (targets -1, classes []). An empty class folder is refused (a class without images would still count among the
+    classes a classifier is trained on), unless ``allow_empty`` (embedding: it just has no rows).
     """
     subdirs = list_classes(root)
     top_images = sorted(e.name for e in os.scandir(root) if e.is_file() and _is_image(e.name))
@@ -83,7 +86,7 @@ def scan_image_folder(root: Path, classes: Optional[Sequence[str]] = None) -> Tu
     samples: List[Tuple[str, int]] = []
     for name in subdirs:
         files = _images_below(root / name)
-        if not files:
+        if not files and not allow_empty:
             raise ConfigError(
                 f"class folder {root / name} holds no images (extensions: {' '.join(IMG_EXTENSIONS)}): remove it "
                 "or add "

@@ -9,7 +9,7 @@ this library has them); the chosen indices are written to ``labelled_indices.txt
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,10 +27,16 @@ def check_label_subset(fraction: Optional[float], per_class: Optional[int]) -> N
 
 
 def balanced_subset(
-    targets: Tensor, fraction: Optional[float] = None, per_class: Optional[int] = None, seed: int = 0
+    targets: Tensor,
+    fraction: Optional[float] = None,
+    per_class: Optional[int] = None,
+    seed: int = 0,
+    names: Optional[Sequence[str]] = None,
+    setting: str = "labels_per_class",
 ) -> Tensor:
     """Sorted indices of a seeded, class-stratified subset of ``targets``: ``per_class`` images of every class, or
-    ``fraction`` of each class (at least one). Targets < 0 (unlabelled) are never drawn."""
+    ``fraction`` of each class (at least one). Targets < 0 (unlabelled) are never drawn. Errors name the class by
+    ``names`` (an image folder's class folders) and the budget by ``setting`` (the caller's name for it)."""
     check_label_subset(fraction, per_class)
     targets = torch.as_tensor(targets).long()
     g = torch.Generator().manual_seed(seed)
@@ -39,7 +45,10 @@ def balanced_subset(
         idx = (targets == c).nonzero().flatten()
         n = per_class if per_class is not None else max(1, round(fraction * len(idx)))
         if n > len(idx):
-            raise ConfigError(f"labels_per_class={per_class}, but class {c} has only {len(idx)} training images")
+            name = f"class {names[c]!r}" if names is not None and c < len(names) else f"class {c}"
+            raise ConfigError(
+                f"{setting}={per_class}, but {name} has only {len(idx)} training images: give at most {len(idx)}"
+            )
         chosen.append(idx[torch.randperm(len(idx), generator=g)[:n]])
     return torch.cat(chosen).sort().values if chosen else torch.zeros(0, dtype=torch.long)
 

@@ -67,7 +67,7 @@ def embed_folder(
         mean = tuple(mean or (IMAGENET_MEAN if channels == 3 else (0.449,) * channels))
         std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))
         transform = eval_transform(size, mean, std, resize)
-    samples, classes = scan_image_folder(Path(data))
+    samples, classes = scan_image_folder(Path(data), allow_empty=True)  # an empty class folder: no rows
     images = ImageFileDataset(samples, Deterministic(transform), channels, 0, 0, skip_bad_images)
     workers = default_workers() if num_workers is None else num_workers
     loader = DataLoader(images, batch_size=batch_size, num_workers=workers)

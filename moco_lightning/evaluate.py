@@ -122,8 +122,9 @@ def evaluate(
     n_train, n_eval = len(splits["encoder"][0][1]), len(splits["encoder"][1][1])
     out: dict = {"ckpt": str(ckpt), "train_images": n_train, "eval_images": n_eval, "classes": classes, "rows": {}}
     for name, (train, held) in splits.items():
-        for k in ks:
-            out["rows"].setdefault(f"kNN k {k}", {})[name] = knn_top1(train, held, classes, k)
+        for k in ks:  # a k above the bank's size is every training image: said in the row's name
+            row = f"kNN k {k}" if k <= n_train else f"kNN k {n_train} (--k {k} capped: {n_train} training images)"
+            out["rows"].setdefault(row, {})[name] = knn_top1(train, held, classes, min(k, n_train))
         if full_linear:
             progress(f"evaluate: {name}: linear on all {n_train} labels")
             out["rows"].setdefault("linear, all labels", {})[name] = linear_top1(train, held, classes)
@@ -131,7 +132,8 @@ def evaluate(
     targets = splits["encoder"][0][1]
     budgets = [(f"{f:g}", dict(fraction=f)) for f in fractions] + [(f"{n}/class", dict(per_class=n)) for n in per_class]
     for key, budget in budgets:
-        idx = balanced_subset(targets, seed=seed, **budget)
+        names = getattr(dm, "classes", None)
+        idx = balanced_subset(targets, seed=seed, names=names, setting="--per_class", **budget)
         row = {"labels": len(idx), "share": len(idx) / n_train}
         for column, name in (("linear", "encoder"), ("linear_pixels", "pixels"))[: 2 if pixels else 1]:
             every = out["rows"].get("linear, all labels", {}).get(name) if len(idx) == n_train else None
@@ -201,6 +203,8 @@ def markdown(result: dict) -> str:
             gap = r.get("fine_tuned_minus_scratch")
             gap = "-" if gap is None else f"{100 * gap:+.2f}"
             budget = f"{key.split('/')[0]} per class" if "/" in key else f"{100 * float(key):g} %"
+            if "/" not in key and abs(r.get("share", float(key)) - float(key)) > 0.1 * float(key):  # few images
+                budget += f" asked, {100 * r['share']:.3g} % given"
             lines.append(
                 f"| {budget} ({r['labels']}) | {pct(r['linear'])} | {pct(r.get('linear_pixels'))} | "
                 f"{pct(r.get('fine_tuned'))} | {pct(r.get('from_scratch'))} | {gap} |"

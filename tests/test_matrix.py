@@ -669,3 +669,33 @@ def test_the_base_class_loads_a_checkpoint_as_the_method_that_wrote_it(method, t
     assert type(model) is cls_of(method)
     for key, value in state(path)["state_dict"].items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_evaluate_says_what_it_measured_and_names_the_folders_classes(tmp_path, capsys):
+    """#54.6-7 through ``moco-lightning evaluate`` on a user's folder (3 classes x 6 training images): a k above the
+    bank is said to be capped; a budget whose few images are another share than asked says the share given; no
+    "pip install matplotlib" where no curve was asked; a --per_class too large names the class folder and the flag;
+    --holdout sets the held-out share; an empty class folder does not stop embed."""
+    import json
+
+    from helpers.cli import cli_main
+    from helpers.data import FIXTURE_CKPT
+    from helpers.files import write_tree
+
+    root = write_tree(tmp_path / "photos", n_per_class=6, classes=("cat", "dog", "fox"))
+    out = ["--out", str(tmp_path / "out")]
+    assert cli_main("evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(root), "--k", "500", "--fractions", *out) == 0
+    said = capsys.readouterr()
+    assert "kNN k 18 (--k 500 capped: 18 training images)" in said.out and "matplotlib" not in said.err
+    assert cli_main("evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(root), "--k", "3", "--fractions", "0.01",
+                    "--steps", "1", *out) == 0  # fmt: skip
+    assert "| 1 % asked, 16.7 % given (3) |" in capsys.readouterr().out  # one image of each class's six
+    assert cli_main("evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(root), "--per_class", "7", *out) == 2
+    assert "--per_class=7, but class 'cat' has only 6 training images: give at most 6" in capsys.readouterr().err
+    assert cli_main("evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(root), "--split", "val", "--holdout", "0.5",
+                    "--fractions", "--k", "3", *out) == 0  # fmt: skip
+    assert json.loads((tmp_path / "out" / "evaluate.json").read_text())["eval_images"] == 9
+    assert cli_main("evaluate", "--ckpt", FIXTURE_CKPT, "--holdout", "0.5", *out) == 2
+    assert "--holdout: only with --split val, or an image folder without val/" in capsys.readouterr().err
+    (root / "train" / "empty").mkdir()
+    assert cli_main("embed", "--ckpt", FIXTURE_CKPT, "--data", str(root / "train"), "--out", str(tmp_path / "e")) == 0
