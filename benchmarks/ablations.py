@@ -75,11 +75,36 @@ PAPER = {
 FIELDS = ["run", "groups", "overrides", "steps", "train_s", "final_loss", "knn_top1", "probe_top1", "paper"]
 
 
+def mechanism_config(class_path: str) -> Path:
+    """The base config for another dictionary mechanism: its model section with only the settings ``class_path``'s
+    class accepts (EndToEnd and MemoryBankMoCo have no queue, momentum encoder or shuffle BN), everything else the
+    base's, in a temporary file."""
+    import importlib
+    import tempfile
+
+    import yaml
+
+    from moco_lightning.compat import constructor_arguments
+
+    module, _, name = class_path.rpartition(".")
+    accepted = constructor_arguments(getattr(importlib.import_module(module), name))
+    config = yaml.safe_load(config_path(BASE).read_text())
+    model = config["model"]
+    args = model.get("init_args", {k: v for k, v in model.items() if k != "class_path"})
+    config["model"] = {"class_path": class_path, "init_args": {k: v for k, v in args.items() if k in accepted}}
+    path = Path(tempfile.mkdtemp()) / f"{BASE}_{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
 def train(overrides: list, args, n_images: int) -> dict:
     import lightning.pytorch as pl
 
     torch.manual_seed(args.seed)
-    model, dm = from_config(config_path(BASE), *overrides, f"--data.init_args.train_subset={n_images}")
+    mechanism = [o.split("=", 1)[1] for o in overrides if o.startswith("--model.class_path=")]
+    config = mechanism_config(mechanism[0]) if mechanism else config_path(BASE)
+    rest = [o for o in overrides if not o.startswith("--model.class_path=")]
+    model, dm = from_config(config, *rest, f"--data.init_args.train_subset={n_images}")
     trainer = pl.Trainer(**trainer_kwargs(args.steps, []))
     t = time.perf_counter()
     trainer.fit(model, datamodule=dm)

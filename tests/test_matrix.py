@@ -154,6 +154,10 @@ def printed_model(capsys, *args: str) -> dict:
 
 @pytest.mark.parametrize("name", list(DEFAULTS))
 def test_a_minimal_config_gets_the_papers_defaults(name, tmp_path, capsys):
+    """``fit --print_config`` of a config naming only the class: its paper's defaults; ``from_config`` builds the
+    same (#54.2: it gave every class MoCo's defaults where the config left them out)."""
+    from moco_lightning.cli import from_config
+
     minimal = tmp_path / "minimal.yaml"
     minimal.write_text(f"model:\n  class_path: moco_lightning.{name}\n")
     printed = printed_model(capsys, "--config", str(minimal))
@@ -161,11 +165,30 @@ def test_a_minimal_config_gets_the_papers_defaults(name, tmp_path, capsys):
     got = printed["init_args"]
     assert {k: got[k] for k in DEFAULTS[name]} == DEFAULTS[name]
     assert not set(ABSENT.get(name, ())) & set(got)
+    data = "data:\n  class_path: moco_lightning.datamodules.FashionMNISTDataModule\n"
+    bank = "  init_args: {memory_bank_size: 100}\n" if name == "MemoryBankMoCo" else ""
+    minimal.write_text(f"model:\n  class_path: moco_lightning.{name}\n{bank}{data}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = from_config(minimal)[0]
+    assert type(built).__name__ == name
+    hparams = {k: v for k, v in built.hparams.items() if not k.startswith("_")}
+    printed = {**got, **({"memory_bank_size": 100} if bank else {})}
+    assert {k: hparams[k] for k in printed} == {k: _plain_value(v) for k, v in printed.items()}
+    if name == "MemoryBankMoCo":  # #54.7: the class's own one-line error, not jsonargparse's Union report
+        minimal.write_text(f"model:\n  class_path: moco_lightning.{name}\n{data}")
+        with pytest.raises(ValueError, match="^MemoryBankMoCo: memory_bank_size must be the number of training"):
+            from_config(minimal)
     if name == "MoCo":  # a config without class_path is MoCo v2
         without = tmp_path / "plain.yaml"
         without.write_text("model:\n  queue_size: 4096\n")
         plain = printed_model(capsys, "--config", str(without))
         assert plain["class_path"] == "moco_lightning.MoCo" and plain["init_args"]["queue_size"] == 4096
+
+
+def _plain_value(v):
+    """A printed config value as the module records it (YAML lists for tuples)."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 @pytest.mark.parametrize("shipped", list(SHIPPED))

@@ -42,16 +42,18 @@ class MoCoCLI(CLIHooks, LightningCLI):
         parser.set_defaults({"model": {"class_path": f"{cls.__module__}.{cls.__qualname__}"}})
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        sub = next((a for a in (sys.argv[1:] if args is None else args) if a in SUBCOMMANDS), None)
-        if self._default_model is not None and sub is not None:
+        given = sys.argv[1:] if args is None else args
+        sub = next((a for a in given if a in SUBCOMMANDS), None)
+        no_subcommands = getattr(parser, "_subcommands_action", None) is None  # run=False: from_config
+        if self._default_model is not None and (sub is not None or no_subcommands):
             # A config without a model class_path trains the default class (MoCo). But jsonargparse carries the
             # default class's settings over to another class_path (SimCLR got MoCo's temperature): find the class
-            # the command names (without printing), make it the default, then parse for real.
-            quiet = [a for a in (sys.argv[1:] if args is None else args) if not a.startswith("--print_config")]
-            named = _model_class(
-                _plain(parser.parse_args(quiet, _skip_validation=True)[sub]["model"]), self._default_model
-            )
-            self._model_default(self.subcommand_parser(sub), named)
+            # the command names (without printing), make it the default, then parse for real. With a subcommand
+            # (moco-lightning fit) and without (from_config: a config in Python) alike.
+            quiet = [a for a in given if not a.startswith("--print_config")]
+            parsed = parser.parse_args(quiet, _skip_validation=True)
+            named = _model_class(_plain(parsed[sub]["model"] if sub else parsed["model"]), self._default_model)
+            self._model_default(self.subcommand_parser(sub) if sub else parser, named)
         super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         self._given_model: Optional[dict] = None
@@ -139,9 +141,26 @@ def from_config(config: Any, *overrides: str) -> tuple[Any, Any]:
     from .._lightning import own_hyperparameters
 
     args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
-    with own_hyperparameters():  # also inside another module being built by a CLI
-        cli = make_cli(Pretraining, args, MoCo, run=False, save_config_callback=None)
+    try:
+        with own_hyperparameters():  # also inside another module being built by a CLI
+            cli = make_cli(Pretraining, args, MoCo, run=False, save_config_callback=None)
+    except Exception as e:  # a constructor's one-line error, not jsonargparse's Union report around it
+        cause = library_cause(e)
+        if cause is None or cause is e:
+            raise
+        raise cause from None
     return cli.model, cli.datamodule
+
+
+def library_cause(error: BaseException) -> Optional[BaseException]:
+    """The library's or Lightning's own error that ``error`` wraps (jsonargparse wraps a constructor's error in its
+    own ValueError), or None."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    cause: Optional[BaseException] = error
+    while cause is not None and not isinstance(cause, (ConfigError, BadInputError, MisconfigurationException)):
+        cause = cause.__cause__ or cause.__context__
+    return cause
 
 
 def make_cli(model_class: type, args: Any, default_model: Optional[type], **kwargs: Any) -> MoCoCLI:
@@ -259,9 +278,7 @@ def run_cli(
     except Exception as e:
         from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-        cause = e  # jsonargparse wraps a constructor's error in its own ValueError: look down the chain
-        while cause is not None and not isinstance(cause, (ConfigError, BadInputError, MisconfigurationException)):
-            cause = cause.__cause__ or cause.__context__
+        cause = library_cause(e)
         if cause is None or os.environ.get("MOCO_LIGHTNING_DEBUG"):
             raise
         command = f"{prog} {sub}" if sub else prog
