@@ -136,7 +136,7 @@ def test_step_overhead_sections():
     counts = {c[0]: int(c[1]) for c in cells if "BatchNorm2d" in c[0] or c[0].startswith("per-split loop")}
     # the split's operators do not grow with the splits; the loop's did
     assert counts["SplitBatchNorm2d, 2 splits"] == counts["SplitBatchNorm2d, 32 splits"], counts
-    assert counts["per-split loop (before #53), 8 splits"] > 3 * counts["SplitBatchNorm2d, 8 splits"], counts
+    assert counts["per-split loop (before #53), 8 splits"] > 2 * counts["SplitBatchNorm2d, 8 splits"], counts
 
 
 def test_data_throughput_paths():
