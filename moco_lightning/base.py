@@ -233,11 +233,12 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
             self.log_dict({f"{stage}/{name}": value for name, value in out["metrics"].items()}, **kwargs)
 
     def loss_is_usable(self, loss: Tensor, batch_idx: int, views: Sequence[Tensor] = ()) -> bool:
-        """False: skip this batch (``on_nan="skip"``); a non-finite loss raises one step later (the NaN guard), saying
-        so when the batch's images (``views``) held non-finite values."""
+        """False: skip this batch (``on_nan="skip"``); a non-finite loss raises at the NaN guard's next check (a
+        logging step, a checkpoint, the end), saying so when the batch's images (``views``) held non-finite values."""
         where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        # read on the host only when Lightning reads its logged metrics: every log_every_n_steps steps
-        check = (self.global_step + 1) % max(1, self.trainer.log_every_n_steps) == 0
+        # read on the host only when Lightning reads its logged metrics: every log_every_n_steps steps (at most 100)
+        every = min(max(1, self.trainer.log_every_n_steps), self.nan_guard.MAX_UNREAD)
+        check = (self.global_step + 1) % every == 0
         return self.nan_guard.usable(loss, where, self.nan_hints, views, check, self.preemption.signum)
 
     def nan_hints(self) -> str:

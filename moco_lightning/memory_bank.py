@@ -62,8 +62,8 @@ class MemoryBank(Negatives):
         self.require_index(index)
         if index.numel() and not self._checked:
             self._checked = True
-            low, high = torch.aminmax(index)
-            bad = int(high) if int(high) >= self.size else int(low)
+            low, high = (int(v) for v in torch.aminmax(index))
+            bad = high if high >= self.size else low
             if not 0 <= bad < self.size:
                 raise IndexError(
                     f"MemoryBank: image index {bad} "

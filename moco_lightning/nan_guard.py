@@ -4,7 +4,8 @@ Reading a loss on the host every step would stall an accelerator once per step, 
 while the others wait in the next collective until a timeout. So each step only records, on the device, a "not
 finite" flag (which also says whether the batch's images held NaN or inf pixels, so that the error blames the data,
 not the lr, when that is the cause). The flags are read at check steps: every ``log_every_n_steps`` steps (when
-Lightning reads its logged metrics anyway), before any checkpoint is written, and at the end of training. There the
+Lightning reads its logged metrics anyway; at least every 100), before any checkpoint is written, and at the end
+of training. There the
 flags since the last check are all-reduced (max) across ranks, with a number of the caller's (the signal of a
 preempted run, :mod:`moco_lightning.preemption`), and read once: every rank stops at the same step with the first
 bad step's message, and no checkpoint holds the bad weights (a non-finite loss makes the weights that follow
@@ -27,6 +28,9 @@ from .errors import ConfigError
 
 class NanGuard:
     """``on_nan``: ``"raise"`` or ``"skip"``; ``owner``: the module's name for the messages."""
+
+    #: the most steps between two checks, whatever the logging interval (the flags kept unread stay few)
+    MAX_UNREAD = 100
 
     def __init__(self, on_nan: str, owner: str) -> None:
         self.on_nan, self.owner = on_nan, owner

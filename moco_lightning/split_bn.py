@@ -26,10 +26,11 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
 
     Each sub-batch is normalised exactly as if it went through BatchNorm2d on its own; the running
     statistics move by the average of the sub-batches' statistics. In eval mode it is BatchNorm2d.
-    The cost does not grow with ``num_splits``: :func:`split_batch_norm` computes every sub-batch's statistics
+    The cost does not grow with ``num_splits``: :class:`_SplitBatchNorm` computes every sub-batch's statistics
     in one reduction over an ``(s, N/s, C, H, W)`` view and normalises in one fused pass (either memory format,
-    no copy), where a loop over the sub-batches launched ``s`` BatchNorm kernels, a concatenation and ``s``
-    copies of the running statistics per layer (on a GPU the split then cost 2.5x the whole step of plain BN).
+    no copy of the activations), where a loop over the sub-batches launched ``s`` BatchNorm kernels, a
+    concatenation and ``s`` copies of the running statistics per layer (on a GPU the split then cost 2.5x the
+    whole step of plain BN).
     """
 
     def __init__(self, num_features: int, num_splits: int, **kwargs) -> None:
@@ -148,14 +149,6 @@ def _per_image(coefficients: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     input's layout, and their results are new tensors, not views)."""
     s, kinds, c, _, _ = coefficients.shape
     return coefficients.to(dtype).unsqueeze(1).expand(s, n // s, kinds, c, 1, 1).reshape(n, kinds, c, 1, 1)
-
-
-def split_batch_norm(
-    x: Tensor, num_splits: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
-) -> Tensor:
-    """Training-mode BatchNorm of ``x`` (N, C, H, W) over ``num_splits`` contiguous sub-batches (the statistics of
-    rows ``[j N/s, (j + 1) N/s)`` normalise those rows), without running statistics."""
-    return _SplitBatchNorm.apply(x, weight, bias, num_splits, eps)[0]
 
 
 def convert_split_bn(module: nn.Module, num_splits: int) -> nn.Module:

@@ -364,3 +364,22 @@ def test_an_export_says_what_it_holds_and_load_backbone_rebuilds_it(seeded, tmp_
     torch.save(dict(state), tmp_path / "plain.pt")  # a state dict without the description
     with pytest.raises(ValueError, match="does not say which backbone it holds"):
         load_backbone(tmp_path / "plain.pt")
+
+
+def test_the_nan_guard_reads_its_flags_at_least_every_max_unread_steps(seeded, monkeypatch):
+    """#53: the flags wait on the device for the next logging step, but never more than ``MAX_UNREAD`` of them
+    (whatever log_every_n_steps says): what is kept unread stays small."""
+    from lightning.pytorch import Callback
+
+    from moco_lightning.nan_guard import NanGuard
+
+    monkeypatch.setattr(NanGuard, "MAX_UNREAD", 2)
+    kept = []
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            kept.append(len(pl_module.nan_guard._pending))
+
+    model = tiny_moco()
+    cpu_trainer(limit_val_batches=0, log_every_n_steps=1000, callbacks=[Look()]).fit(model, tiny_data())  # 4 steps
+    assert kept == [1, 0, 1, 0]
