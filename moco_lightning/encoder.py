@@ -81,15 +81,27 @@ def checkpoint_backbone(
             f"{path}: this method has no momentum encoder (no key encoder or target network): export the query "
             "encoder (--encoder query)"
         )
-    prefix = name + "."
-    state = OrderedDict((k[len(prefix) :], v) for k, v in checkpoint["state_dict"].items() if k.startswith(prefix))
+    state = submodule_state(checkpoint["state_dict"], name)
     if not state:
-        raise ConfigError(f"{path}: no {prefix}* weights in its state_dict")
+        raise ConfigError(f"{path}: no {name}.* weights in its state_dict")
     architecture = architecture_of(checkpoint.get("hyper_parameters") or {})
-    transform = (checkpoint.get("moco_lightning") or {}).get("eval_transform")
+    return described(state, architecture, (checkpoint.get("moco_lightning") or {}).get("eval_transform"))
+
+
+def submodule_state(state_dict: dict, name: str) -> OrderedDict[str, torch.Tensor]:
+    """The entries of ``state_dict`` under ``name.``, keyed without that prefix (as the submodule's own)."""
+    prefix = name + "."
+    return OrderedDict((k[len(prefix) :], v) for k, v in state_dict.items() if k.startswith(prefix))
+
+
+def described(
+    state: OrderedDict[str, torch.Tensor], architecture: Optional[dict], transform: Optional[dict]
+) -> OrderedDict[str, torch.Tensor]:
+    """``state`` with its architecture and evaluation transform in ``_metadata`` (as an export carries them), when
+    the architecture is known."""
     if architecture is not None:
-        described = {ARCHITECTURE_KEY: architecture, **({TRANSFORM_KEY: transform} if transform else {})}
-        state._metadata = OrderedDict(described)  # type: ignore[attr-defined]
+        metadata = {ARCHITECTURE_KEY: architecture, **({TRANSFORM_KEY: transform} if transform else {})}
+        state._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
     return state
 
 
@@ -102,16 +114,10 @@ def classifier_backbone(checkpoint: dict, path: str | Path, encoder: str = "quer
             f"{path} is a linear-evaluation / fine-tuning checkpoint: it holds one encoder, not a momentum copy; use "
             "--encoder query (its backbone)"
         )
-    state = OrderedDict((k[len("backbone.") :], v) for k, v in checkpoint["state_dict"].items()
-                        if k.startswith("backbone."))  # fmt: skip
-    recorded = checkpoint[ENCODER_KEY]
+    state, recorded = submodule_state(checkpoint["state_dict"], "backbone"), checkpoint[ENCODER_KEY]
     if not state or not recorded.get("architecture"):
         raise ConfigError(f"{path}: a linear-evaluation checkpoint without backbone.* weights or their architecture")
-    described = {ARCHITECTURE_KEY: recorded["architecture"]}
-    if recorded.get("transform"):
-        described[TRANSFORM_KEY] = recorded["transform"]
-    state._metadata = OrderedDict(described)  # type: ignore[attr-defined]
-    return state
+    return described(state, recorded["architecture"], recorded.get("transform"))
 
 
 def encoder_of(
