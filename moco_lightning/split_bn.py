@@ -111,10 +111,11 @@ class _SplitBatchNorm(torch.autograd.Function):
         k = invstd if weight is None else invstd * weight.view(1, 1, c, 1, 1)
         shift = torch.addcmul(bias.view(1, 1, c, 1, 1), mean, k, value=-1) if bias is not None else -mean * k
         # the coefficients repeated per image, (N, C, 1, 1): y is a new (N, C, H, W) tensor in x's memory format
-        # (channels-last stays so for the next convolution; not a view, so a ReLU(inplace=True) may write into it)
+        # (channels-last stays so for the next convolution; not a view, so a ReLU(inplace=True) may write into it
+        # without autograd's copy of the whole gradient that an in-place write into a view costs)
         shift_n, k_n = _per_image(torch.cat([shift, k], 1), n, x.dtype).unbind(1)
         y = torch.addcmul(shift_n, x, k_n)
-        ctx.save_for_backward(x, mean, invstd, k, k_n)
+        ctx.save_for_backward(x, mean, invstd, k)
         ctx.s, ctx.affine = s, weight is not None
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
@@ -122,7 +123,7 @@ class _SplitBatchNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: Tensor, _mean: Any, _var: Any):
-        x, mean, invstd, k, k_n = ctx.saved_tensors
+        x, mean, invstd, k = ctx.saved_tensors
         n, c, h, w = x.shape
         s = ctx.s
         xs, dys = x.view(s, n // s, c, h, w), dy.view(s, n // s, c, h, w)
@@ -131,11 +132,10 @@ class _SplitBatchNorm(torch.autograd.Function):
         sum_dy = dys.sum(_REDUCED, keepdim=True, dtype=torch.float32)
         dot = torch.addcmul((dys * xs).sum(_REDUCED, keepdim=True, dtype=torch.float32), mean, sum_dy, value=-1)
         # dx = k (dy - Σdy / m - (x - μ) σ⁻² Σdy (x - μ) / m) = k dy - (P x + Q) / m,
-        # P = k σ⁻² Σdy (x - μ), Q = k Σdy - P μ: P / m and Q / m in one scaling of the pair
-        p = k * invstd * invstd * dot
-        pq = torch.cat([p, torch.addcmul(k * sum_dy, p, mean, value=-1)], 1).div_(-count)
-        p_n, q_n = _per_image(pq, n, x.dtype).unbind(1)
-        dx = torch.addcmul(q_n, x, p_n).addcmul_(dy, k_n)  # x's layout
+        # P = k σ⁻² Σdy (x - μ), Q = k Σdy - P μ
+        p = (k * invstd * invstd * dot).div_(-count)
+        q = torch.addcmul(k * sum_dy, p, mean, value=count).div_(-count)
+        dx = torch.addcmul(q.to(x.dtype), xs, p.to(x.dtype)).addcmul_(dys, k.to(x.dtype)).reshape(n, c, h, w)
         if not ctx.affine:
             return dx, None, None, None, None
         # dγ = Σ dy x̂ = Σ_splits σ⁻¹ Σdy (x - μ), dβ = Σ dy
@@ -145,8 +145,8 @@ class _SplitBatchNorm(torch.autograd.Function):
 
 def _per_image(coefficients: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     """Per-(sub-batch, channel) coefficients ``(s, K, C, 1, 1)`` repeated for each of the ``n`` images:
-    ``(n, K, C, 1, 1)`` in ``dtype`` (a small copy: the full-size passes then run on (N, C, H, W) tensors in the
-    input's layout, and their results are new tensors, not views)."""
+    ``(n, K, C, 1, 1)`` in ``dtype`` (a small copy: the full-size pass then runs on (N, C, H, W) tensors in the
+    input's layout, and its result is a new tensor, not a view)."""
     s, kinds, c, _, _ = coefficients.shape
     return coefficients.to(dtype).unsqueeze(1).expand(s, n // s, kinds, c, 1, 1).reshape(n, kinds, c, 1, 1)
 
