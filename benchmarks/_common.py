@@ -167,8 +167,9 @@ def features(module: nn.Module, images: Tensor, labels: Tensor) -> tuple[Tensor,
 
 
 def knn_top1(bank: Tensor, bank_y: Tensor, queries: Tensor, queries_y: Tensor, k: int = 200) -> float:
-    """The README's protocol: weighted kNN (k 200, T 0.1, cosine): :func:`moco_lightning.evaluate.knn_top1`."""
-    from moco_lightning.evaluate import knn_top1 as library_knn_top1
+    """The README's protocol: weighted kNN (k 200, T 0.1, cosine):
+    :func:`moco_lightning.downstream.evaluate.knn_top1`."""
+    from moco_lightning.downstream.evaluate import knn_top1 as library_knn_top1
 
     return library_knn_top1((bank, bank_y), (queries, queries_y), 10, k)
 
@@ -184,7 +185,7 @@ def low_label_probe(
     (seeded, class-stratified: the library's ``balanced_subset``): Adam, batches of 256, at least ``LOW_LABEL_STEPS``
     steps and 20 epochs (``fraction=1``: the full-label probe of :func:`evaluate`)."""
     from moco_lightning.datamodules.selection import balanced_subset
-    from moco_lightning.evaluate import linear_top1
+    from moco_lightning.downstream.evaluate import linear_top1
 
     idx = balanced_subset(bank_y, fraction=fraction, seed=seed)
     return linear_top1((bank_f[idx], bank_y[idx]), (q_f, q_y), 10, LOW_LABEL_STEPS, seed)
@@ -258,7 +259,7 @@ def make_reference(hp, batch_size: int, total_steps: Optional[int] = None):
     from lightly.models.modules import MoCoProjectionHead
     from lightly.models.utils import deactivate_requires_grad, update_momentum
 
-    from moco_lightning.backbones import build_backbone
+    from moco_lightning.modules.backbones import build_backbone
 
     class ReferenceMoCo(pl.LightningModule):
         def __init__(self) -> None:
@@ -292,7 +293,7 @@ def make_reference(hp, batch_size: int, total_steps: Optional[int] = None):
             )
             if not total_steps:
                 return optim
-            from moco_lightning.plan import StepPlan
+            from moco_lightning.training.plan import StepPlan
 
             # the library's plan, so that quality.py re-plans the reference as it re-plans the library's modules
             self.step_plan = plan = StepPlan(max(1, total_steps), 0, [], batch_size)

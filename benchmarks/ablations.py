@@ -84,7 +84,7 @@ def mechanism_config(class_path: str) -> Path:
 
     import yaml
 
-    from moco_lightning.compat import constructor_arguments
+    from moco_lightning.training.compat import constructor_arguments
 
     module, _, name = class_path.rpartition(".")
     accepted = constructor_arguments(getattr(importlib.import_module(module), name))

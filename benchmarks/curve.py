@@ -68,7 +68,7 @@ def low_label_curve(run: str | Path, fraction: float = 0.01, datamodule=None) ->
     datamodule to evaluate on (default ``evaluate``'s own, Fashion-MNIST)."""
     import re
 
-    from moco_lightning.evaluate import evaluate
+    from moco_lightning.downstream.evaluate import evaluate
 
     found = []
     for path in Path(run, "checkpoints").glob("epoch=*.ckpt"):

@@ -308,7 +308,7 @@ def check_syncs(device: str, size: dict, deadline: float) -> Result:
 def check_split_bn(device: str, size: dict, deadline: float) -> Result:
     from torch.profiler import ProfilerActivity, profile
 
-    from moco_lightning.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import SplitBatchNorm2d
 
     x = torch.randn(size["batch"], 64, size["image"], size["image"], device=device).contiguous(
         memory_format=torch.channels_last
@@ -330,7 +330,7 @@ def check_split_bn(device: str, size: dict, deadline: float) -> Result:
 
 
 def check_bf16_logits(device: str, size: dict, deadline: float) -> Result:
-    from moco_lightning.loss import contrastive_similarities
+    from moco_lightning.modules.loss import contrastive_similarities
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k = (nn.functional.normalize(torch.randn(256, 128, device=device, generator=g), dim=1) for _ in range(2))
@@ -381,7 +381,7 @@ def check_checkpoint(device: str, size: dict, deadline: float) -> Result:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from moco_lightning import MoCo
-    from moco_lightning.checkpoint_io import read_checkpoint
+    from moco_lightning.training.checkpoint_io import read_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         saver = ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1)

@@ -3,7 +3,8 @@
     python -m benchmarks.low_label --ckpt A.ckpt B.ckpt --names demo long --fractions 0.01 0.1
     python -m benchmarks.low_label --ckpt X.ckpt --fractions 0.01 --steps 5 --train-subset 6400 --eval-subset 500
 
-Each encoder is measured by :func:`moco_lightning.evaluate.evaluate` (kNN at k 20 and 200, linear on all labels, and
+Each encoder is measured by :func:`moco_lightning.downstream.evaluate.evaluate` (kNN at k 20 and 200, linear on all
+labels, and
 per label fraction linear on frozen features, fine-tuned and from scratch, beside the raw pixels) on Fashion-MNIST's
 test split (``--split val``: the held-out end of the training split); this prints the tables one after the other.
 """
@@ -34,7 +35,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     header("Low-label evaluation: moco-lightning evaluate, encoder by encoder", args)
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.evaluate import HOLDOUT, evaluate, markdown
+    from moco_lightning.downstream.evaluate import HOLDOUT, evaluate, markdown
 
     for name, ckpt in zip(names, args.ckpt):
         data = FashionMNISTDataModule(

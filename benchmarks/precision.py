@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     if args.speed:
         return speed(args, t0)
     header("fp32 vs bf16 autocast per stem", args)
-    from moco_lightning.precision import auto_precision
+    from moco_lightning.training.precision import auto_precision
 
     auto = auto_precision("cpu")
     rows = []
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
 def speed(args, t0: float) -> None:
     """Every combination of precision, memory format and compile for ``cifar_stride2``, interleaved, each against the
     shipped setting: the ratio of the shipped step's time to its own (above 1: faster than shipped)."""
-    from moco_lightning.precision import auto_precision
+    from moco_lightning.training.precision import auto_precision
 
     header("step time: precision x memory format x torch.compile (cifar_stride2)", args)
     shipped = (auto_precision("cpu"), True, False)

@@ -114,7 +114,7 @@ class System:
         """The stem of the first library system of ``--systems`` (the quickstart's without one), ``--override``s
         applied: the reference's backbone is built with it."""
         first = next((s for s in self.args.systems if s != "reference"), "quickstart")
-        from moco_lightning.backbones import resolve_stem
+        from moco_lightning.modules.backbones import resolve_stem
 
         hp = from_config(config_path(first), *self.args.override)[0].hparams
         return resolve_stem(hp.get("stem"), hp.get("cifar_stem", False))
@@ -171,7 +171,7 @@ def budget_callback(
             )
 
         def replan(self, trainer) -> None:
-            from moco_lightning.plan import change_length
+            from moco_lightning.training.plan import change_length
 
             step, old = trainer.global_step, trainer.max_steps
             new = steps_affordable(budget_s, step, self.train_s)

@@ -245,7 +245,7 @@ def objective_of(args, space: dict, qe: float) -> Callable[[Any], float]:
         import torch
         from lightning.pytorch import Trainer, seed_everything
 
-        from moco_lightning.evaluate import evaluate
+        from moco_lightning.downstream.evaluate import evaluate
 
         params = {name: trial.suggest_categorical(name, values) for name, (_, values) in space.items()}
         length = dict(max_epochs=args.epochs[-1])

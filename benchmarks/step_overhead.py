@@ -80,7 +80,7 @@ def module_step(model, opt, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
 
 def bare_step(model, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
     """The encoder work of the same step in plain PyTorch: copies of the module's backbone and head, plain BN."""
-    from moco_lightning.split_bn import revert_split_bn
+    from moco_lightning.modules.split_bn import revert_split_bn
 
     q = nn.Sequential(revert_split_bn(copy.deepcopy(model.backbone)), copy.deepcopy(model.projection_head)).train()
     k = copy.deepcopy(q).requires_grad_(False)
@@ -208,7 +208,7 @@ def operator_counts(fn: Callable[[], None]) -> tuple[int, int]:
 
 
 def section0(args) -> None:
-    from moco_lightning.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import SplitBatchNorm2d
 
     x = torch.randn(128, 64, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
     layers = {"BatchNorm2d": nn.BatchNorm2d(64)}

@@ -5,7 +5,10 @@
 - :class:`ViewGrid`, :class:`EmbeddingProjector`: TensorBoard images of the views and the projector.
 - :class:`RepresentationDiagnostics`: alignment / uniformity, key-encoder drift, queue age.
 
-Offline linear evaluation (the paper's protocol) is :class:`moco_lightning.linear_eval.LinearClassifier`.
+Offline linear evaluation (the paper's protocol) is :class:`moco_lightning.downstream.linear_eval.LinearClassifier`.
+
+Imports: the core and the downstream side (features and kNN live in :mod:`moco_lightning.downstream`; the callbacks
+use them, never the reverse); nothing imports the callbacks but the CLI and the package's public names.
 """
 
 from ._utils import embed

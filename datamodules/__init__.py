@@ -1,4 +1,10 @@
-"""Datamodules giving MoCo's two views for pretraining and the evaluation views for the callbacks."""
+"""Datamodules giving MoCo's two views for pretraining and the evaluation views for the callbacks: the built-in
+datasets (``fashion_mnist``, ``cifar``, ``stl10``), a user's image folder (``image_folder``, with the PIL and DALI
+backends), the transforms and their presets, and the resumable loading they share.
+
+Imports: torch, torchvision, Lightning and the core's parts (:mod:`moco_lightning.modules`,
+:mod:`moco_lightning.training`, :mod:`moco_lightning.errors`); never the methods' internals, the downstream side, the
+callbacks or the CLI."""
 
 from .base import (
     ImageTensorDataset,

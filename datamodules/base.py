@@ -30,8 +30,8 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from moco_lightning.compat import augment_states_per_rank
 from moco_lightning.errors import ConfigError
+from moco_lightning.training.compat import augment_states_per_rank
 
 from .selection import check_subset_size
 from .transforms import ViewSettings, linear_eval_views
@@ -271,7 +271,7 @@ class TwoViewDataModule(LightningDataModule):
 
     def state_dict(self) -> dict:
         """The augmentation generator's state of every rank (gathered: Lightning saves on every rank, rank 0 writes)."""
-        from moco_lightning.distributed import gather_objects
+        from moco_lightning.modules.distributed import gather_objects
 
         g = self._generator
         mine = g.get_state() if g is not None else self._own_state()

@@ -1,18 +1,21 @@
 """moco-lightning: MoCo v1/v2/v3 self-supervised pretraining for PyTorch Lightning, with SimCLR, BYOL and SwAV
 beside it for comparison."""
 
-from .base import Pretraining
-from .byol import BYOL
-from .encoder import load_transform
-from .end_to_end import EndToEnd
-from .export import load_backbone
-from .memory_bank_moco import MemoryBankMoCo
-from .moco import MoCo
-from .precision import auto_precision
-from .simclr import SimCLR
-from .swav import SwAV
-from .v3 import MoCoV3
-from .version import __version__
+from moco_lightning.downstream.encoder import load_transform
+from moco_lightning.downstream.export import load_backbone
+from moco_lightning.methods.base import Pretraining
+from moco_lightning.methods.byol import BYOL
+from moco_lightning.methods.end_to_end import EndToEnd
+from moco_lightning.methods.memory_bank_moco import MemoryBankMoCo
+from moco_lightning.methods.moco import MoCo
+from moco_lightning.methods.simclr import SimCLR
+from moco_lightning.methods.swav import SwAV
+from moco_lightning.methods.v3 import MoCoV3
+from moco_lightning.training.compat import install_moved_modules
+from moco_lightning.training.precision import auto_precision
+from moco_lightning.version import __version__
+
+install_moved_modules()  # the flat layout's module names (moco_lightning.moco, ...) import the moved modules
 
 __all__ = [
     "BYOL",

@@ -1,3 +1,3 @@
-from .cli import main
+from moco_lightning.cli import main
 
 main()

@@ -8,7 +8,7 @@ attribute of Lightning.
   loaders their mid-epoch position (Lightning skips it when the data was set up before the restore).
 - ``fit_loop.setup_data()``: load the training loader early, to scale the lr by its batch size.
 - ``fit_loop.epoch_loop.batch_progress``: where a resumed run is inside its epoch; ``epoch_loop.max_steps``: a
-  running fit's new length (:func:`moco_lightning.plan.change_length`).
+  running fit's new length (:func:`moco_lightning.training.plan.change_length`).
 - the checkpoint's ``loops`` entry: re-open an epoch that a ``max_steps`` stop cut short (below).
 - ``hparams_mixin._given_hyperparameters``: the arguments LightningCLI hands a module it builds.
 - ``strategy._layer_sync``: whether ``sync_batchnorm`` is on.
@@ -16,7 +16,7 @@ attribute of Lightning.
   (torch's ``DistributedDataParallel`` reads it when it wraps the module).
 - ``CSVLogger._experiment``: whether its writer exists yet (creating it deletes the version's ``metrics.csv``).
 - ``_accelerator_connector.cluster_environment``, ``_signal_connector._slurm_sigusr_handler_fn``: SLURM's requeue
-  at a step boundary (:mod:`moco_lightning.preemption`; Lightning runs it inside the signal handler, mid-step).
+  at a step boundary (:mod:`moco_lightning.training.preemption`; Lightning runs it inside the signal handler, mid-step).
 - ``ModelCheckpoint._last_global_step_saved`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the last step
   of a run in ``last.ckpt`` (:func:`save_last_now`).
 - ``LightningModule._trainer``: whether a Trainer runs the module (:func:`attached_trainer`; ``module.trainer``

@@ -3,7 +3,7 @@ import torch
 import torchvision
 from torch import nn
 
-from moco_lightning.backbones import build_backbone
+from moco_lightning.modules.backbones import build_backbone
 
 
 @pytest.mark.parametrize("name,dim", [("resnet18", 512), ("resnet50", 2048), ("mobilenet_v3_small", 576)])
@@ -114,8 +114,8 @@ def test_the_stem_travels_with_exports_and_from_scratch_baselines(tmp_path):
     from lightning.pytorch import Trainer
 
     from moco_lightning import MoCo, load_backbone
-    from moco_lightning.export import export_backbone
-    from moco_lightning.linear_eval import LinearClassifier
+    from moco_lightning.downstream.export import export_backbone
+    from moco_lightning.downstream.linear_eval import LinearClassifier
 
     model = MoCo(backbone="resnet18", width=0.125, in_channels=1, image_size=28, stem="cifar_stride2",
                  hidden_dim=16, dim=8, queue_size=32, shuffle_bn="off")  # fmt: skip

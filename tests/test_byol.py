@@ -11,7 +11,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import BYOL
-from moco_lightning.loss import normalized_mse
+from moco_lightning.modules.loss import normalized_mse
 
 
 def test_normalized_mse_is_the_squared_distance_of_unit_vectors(seeded):

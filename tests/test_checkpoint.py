@@ -17,9 +17,9 @@ import yaml
 from helpers.cli import in_process
 
 from moco_lightning import MoCo, Pretraining, load_backbone
-from moco_lightning.checkpoint_io import ALLOW_PICKLE, read_checkpoint
 from moco_lightning.cli import run_cli
 from moco_lightning.errors import ConfigError
+from moco_lightning.training.checkpoint_io import ALLOW_PICKLE, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = Path(__file__).parent / "fixtures" / "format2" / "MoCo.ckpt"
@@ -66,8 +66,8 @@ def test_the_reader_refuses_a_file_that_needs_pickle_and_the_opt_in_loads_it(evi
 
 
 def test_export_load_backbone_and_load_from_checkpoint_refuse_it(evil, tmp_path, capsys):
-    from moco_lightning.export import main as export
-    from moco_lightning.linear_eval import LinearClassifier
+    from moco_lightning.cli.export import main as export
+    from moco_lightning.downstream.linear_eval import LinearClassifier
 
     ckpt, pt, marker = evil
     with pytest.raises(SystemExit) as exit_:
@@ -88,7 +88,7 @@ def test_export_load_backbone_and_load_from_checkpoint_refuse_it(evil, tmp_path,
 
 
 def test_the_cli_fit_validate_and_linear_eval_refuse_it(evil, tmp_path, monkeypatch, capsys):
-    from moco_lightning.linear_eval import LinearClassifier
+    from moco_lightning.downstream.linear_eval import LinearClassifier
 
     ckpt, pt, marker = evil
     monkeypatch.chdir(tmp_path)
@@ -247,9 +247,16 @@ def test_a_checkpoint_of_another_method_is_one_line_in_python_fit_too(tmp_path):
     with pytest.raises(ConfigError) as error:
         cpu_trainer(max_steps=2, limit_val_batches=0).fit(tiny_moco(), tiny_data(), ckpt_path=tmp_path / "simclr.ckpt")
     message = str(error.value)
-    assert "MoCo: the checkpoint is a moco_lightning.simclr.SimCLR run, not a moco_lightning.moco.MoCo one" in message
+    assert (
+        "MoCo: the checkpoint is a moco_lightning.methods.simclr.SimCLR run, not a moco_lightning.methods.moco.MoCo one"
+        in message
+    )
     assert "\n" not in message and "Missing key" not in message
-    with pytest.raises(ConfigError, match="a checkpoint of moco_lightning.simclr.SimCLR, not of moco_lightning.moco"):
+    with pytest.raises(
+        ConfigError,
+        match="simclr.ckpt: the checkpoint is a moco_lightning.methods.simclr.SimCLR run, not a "
+        "moco_lightning.methods.moco.MoCo one: load it with SimCLR.load_from_checkpoint",
+    ):
         MoCo.load_from_checkpoint(tmp_path / "simclr.ckpt")
 
 

@@ -203,13 +203,16 @@ def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path
     assert "--ckpt_path missing.ckpt: no such file" in capsys.readouterr().err
     # a checkpoint of another method: an error naming both classes (it used to switch the method silently)
     ckpt = torch.load(good, weights_only=True)
-    ckpt["hyper_parameters"]["_class_path"] = "moco_lightning.SimCLR"
+    ckpt["hyper_parameters"]["_class_path"] = ckpt["moco_lightning"]["module"] = "moco_lightning.SimCLR"
     torch.save(ckpt, tmp_path / "simclr.ckpt")
     with pytest.raises(SystemExit):
         in_process(*["fit", "--config", "cfg.yaml", "--ckpt_path", "simclr.ckpt"])
     err = capsys.readouterr().err
     assert re.search(
-        r"the checkpoint is a moco_lightning.SimCLR run, the config trains moco_lightning[.\w]*\.MoCo;", err
+        r"--ckpt_path simclr.ckpt: the checkpoint is a moco_lightning.SimCLR run, "
+        r"not a moco_lightning[.\w]*\.MoCo one: "
+        r"resume it with its own config \(model.class_path: moco_lightning.SimCLR\)",
+        err,
     )
 
 
@@ -272,7 +275,7 @@ def test_help_names_every_command_export_included(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: moco-lightning ") and "moco-lightning export --ckpt" in out
-    assert "moco_lightning.linear_eval fit" in out
+    assert "moco-lightning linear fit" in out
 
 
 def test_final_metrics_say_when_a_knn_number_was_measured(seeded):
@@ -356,7 +359,7 @@ def image_folder(root: Path, classes: tuple, mode: str) -> Path:
     ],
 )
 def test_linear_eval_bad_inputs_are_one_line(case, args, line, tmp_path, monkeypatch, capsys):
-    from moco_lightning.linear_eval import LinearClassifier
+    from moco_lightning.downstream.linear_eval import LinearClassifier
 
     monkeypatch.chdir(tmp_path)
     sub = case if case in ("test", "predict") else "fit"
@@ -374,7 +377,7 @@ def test_linear_eval_bad_inputs_are_one_line(case, args, line, tmp_path, monkeyp
         in_process(*[*command, "--trainer.max_steps", "1"], model=LinearClassifier)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 2 and "Traceback" not in "\n".join(err), err
-    assert err[0].startswith(f"python -m moco_lightning.linear_eval {sub}: error: ") and line in err[0], err
+    assert err[0].startswith(f"moco-lightning linear {sub}: error: ") and line in err[0], err
 
 
 def test_export_to_a_device_and_load_backbone_of_a_directory_are_one_line(tmp_path, capsys):
@@ -411,7 +414,7 @@ def test_ckpt_path_last_without_a_last_ckpt_resumes_the_newest_checkpoint_and_sa
 
 
 def test_linear_is_a_subcommand_of_moco_lightning(tmp_path, monkeypatch, capsys):
-    """``moco-lightning linear fit ...`` is ``python -m moco_lightning.linear_eval fit ...``, its messages named after
+    """``moco-lightning linear fit ...`` is ``moco-lightning linear fit ...``, its messages named after
     the command that was typed."""
     from moco_lightning.cli import main
 

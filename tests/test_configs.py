@@ -11,7 +11,7 @@ from helpers.files import write_cifar10, write_stl10, write_tree
 
 from moco_lightning import MoCo
 from moco_lightning.cli import run_cli
-from moco_lightning.linear_eval import LinearClassifier
+from moco_lightning.downstream.linear_eval import LinearClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
@@ -112,7 +112,7 @@ def test_v1_v2_configs_decay_every_parameter_as_the_official_code(config):
     import yaml
 
     assert yaml.safe_load((ROOT / "configs" / config).read_text())["model"]["decay_norm_bias"] is True
-    from moco_lightning.contrastive import Contrastive  # MoCo's base: the MoCo family decays everything
+    from moco_lightning.methods.contrastive import Contrastive  # MoCo's base: the MoCo family decays everything
 
     assert inspect.signature(Contrastive.__init__).parameters["decay_norm_bias"].default is True
 

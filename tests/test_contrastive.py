@@ -11,7 +11,7 @@ from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, seed_everything
 
 from moco_lightning import EndToEnd, MemoryBankMoCo, MoCo
-from moco_lightning.negatives import InBatch
+from moco_lightning.modules.negatives import InBatch
 
 
 @pytest.mark.parametrize("dictionary", ["queue", "batch", "memory_bank"])
@@ -168,7 +168,7 @@ def test_linear_probe_on_unlabelled_batches_says_what_it_needs(seeded):
 
 def test_small_setting_errors_name_the_field_and_the_value_given(seeded):
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.split_bn import check_bn_splits
+    from moco_lightning.modules.split_bn import check_bn_splits
 
     with pytest.raises(ValueError, match="sub-batches of 1: BatchNorm needs at least 2 images per sub-batch"):
         check_bn_splits(8, 8)  # divides, but one image per sub-batch: "Expected more than 1 value per channel" later

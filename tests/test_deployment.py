@@ -13,8 +13,8 @@ import torch
 from helpers.trainers import cpu_trainer
 
 from moco_lightning import MoCo, load_backbone
-from moco_lightning.encoder import ARCHITECTURE_KEY, TRANSFORM_KEY
-from moco_lightning.export import export_backbone
+from moco_lightning.downstream.encoder import ARCHITECTURE_KEY, TRANSFORM_KEY
+from moco_lightning.downstream.export import export_backbone
 
 ARCHITECTURES = {
     "resnet": dict(backbone="resnet18", width=0.5, in_channels=1, stem="cifar_stride2", image_size=28),

@@ -13,9 +13,10 @@ from helpers.detection import official_converter
 from helpers.trainers import cpu_trainer
 
 from moco_lightning import MoCo
-from moco_lightning.detection import detectron2_settings
+from moco_lightning.cli.export import main
+from moco_lightning.downstream.detection import detectron2_settings
+from moco_lightning.downstream.export import export_backbone
 from moco_lightning.errors import ConfigError
-from moco_lightning.export import export_backbone, main
 
 
 def checkpoint(path, **architecture):

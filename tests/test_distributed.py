@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from moco_lightning import MoCo
-from moco_lightning.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
-from moco_lightning.queue import KeyQueue
-from moco_lightning.split_bn import SplitBatchNorm2d, convert_split_bn
+from moco_lightning.modules.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
+from moco_lightning.modules.queue import KeyQueue
+from moco_lightning.modules.split_bn import SplitBatchNorm2d, convert_split_bn
 
 pytestmark = pytest.mark.slow  # several processes
 
@@ -277,7 +277,7 @@ def test_ddp_shuffle_on_one_process_is_a_clear_error(seeded):
 
 
 def _v3_loss_worker(rank: int, port: int, out_dir: str) -> None:
-    from moco_lightning.loss import info_nce
+    from moco_lightning.modules.loss import info_nce
 
     with gloo_rank(rank, port):
         g = torch.Generator().manual_seed(rank)
@@ -452,7 +452,7 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from moco_lightning.errors import ConfigError
-    from moco_lightning.optim import cosine
+    from moco_lightning.modules.optim import cosine
 
     def run(devices, tag, ckpt_path=None):
         seed_everything(0, verbose=False)
@@ -499,7 +499,7 @@ def test_the_process_group_is_destroyed_at_exit_before_the_interpreter_shuts_dow
     script = f"""
 import atexit
 import torch.distributed as dist
-from moco_lightning.distributed import end_process_group_at_exit
+from moco_lightning.modules.distributed import end_process_group_at_exit
 dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
 atexit.register(lambda: print("at exit, initialized:", dist.is_initialized(), flush=True))
 end_process_group_at_exit()

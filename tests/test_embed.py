@@ -12,7 +12,7 @@ from helpers.files import write_tree
 
 from moco_lightning.datamodules import load_image
 from moco_lightning.datamodules.transforms import eval_transform
-from moco_lightning.encoder import load_encoder
+from moco_lightning.downstream.encoder import load_encoder
 
 
 @pytest.mark.parametrize("labelled", [True, False])
@@ -55,7 +55,7 @@ def test_embed_shows_neighbours_and_writes_the_projector(tmp_path, capsys):
 
     from PIL import Image
 
-    from moco_lightning.pictures import nearest
+    from moco_lightning.downstream.pictures import nearest
 
     root = write_tree(tmp_path / "images", n_per_class=3, splits=("train",)) / "train"
     first = root / "cat" / "0.jpg"

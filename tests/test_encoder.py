@@ -8,9 +8,9 @@ import torch
 from helpers.data import FIXTURE_CKPT
 from helpers.models import tiny_backbone
 
-from moco_lightning.encoder import choose_encoder, load_encoder, load_weights
+from moco_lightning.downstream.encoder import choose_encoder, load_encoder, load_weights
+from moco_lightning.downstream.export import export_backbone
 from moco_lightning.errors import ConfigError
-from moco_lightning.export import export_backbone
 
 
 def test_a_checkpoint_and_its_export_give_the_same_encoder_and_scratch_other_weights(tmp_path):
@@ -90,8 +90,8 @@ def test_weights_loaded_into_another_stem_are_refused_and_into_the_same_architec
     from torchvision.models import resnet18
 
     from moco_lightning import MoCo
-    from moco_lightning.backbones import build_backbone
-    from moco_lightning.export import main
+    from moco_lightning.cli.export import main
+    from moco_lightning.modules.backbones import build_backbone
 
     def export(name, **architecture):
         trainer = cpu_trainer()

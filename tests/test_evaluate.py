@@ -105,7 +105,7 @@ def test_an_image_folder_is_evaluated_with_fraction_and_per_class_budgets(tmp_pa
 def test_the_fine_tuning_steps_adapt_to_few_labels():
     """30 epochs at least, 600 steps at most unless 30 epochs need more, 200 epochs for a handful of images: the
     Fashion-MNIST budgets keep their steps (600 at 1 %, 2812 at 10 %)."""
-    from moco_lightning.evaluate import finetune_steps
+    from moco_lightning.downstream.evaluate import finetune_steps
 
     assert [finetune_steps(n) for n in (600, 6000, 100, 30, 3)] == [600, 2812, 312, 200, 200]
     assert finetune_steps(60_000) == 3000  # all of Fashion-MNIST's labels: 3.2 epochs, not 30 (28125 steps)
@@ -114,7 +114,7 @@ def test_the_fine_tuning_steps_adapt_to_few_labels():
 def test_curve_measures_the_six_fractions_and_draws_them(tmp_path, monkeypatch, capsys):
     """``--curve`` is the six fractions of the label-efficiency curve; it and ``--fractions`` together: refused."""
     import moco_lightning.cli.evaluate as cli
-    from moco_lightning.evaluate import CURVE
+    from moco_lightning.downstream.evaluate import CURVE
 
     seen = {}
 
@@ -126,7 +126,7 @@ def test_curve_measures_the_six_fractions_and_draws_them(tmp_path, monkeypatch, 
                 "rows": {"linear, all labels": {"encoder": 0.75}}, "fractions": rows,
                 "labels_to_match": measure.labels_to_match(rows)}  # fmt: skip
 
-    from moco_lightning import evaluate as measure
+    from moco_lightning.downstream import evaluate as measure
 
     monkeypatch.setattr(cli, "evaluate", fake)
     main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--curve", "--out", str(tmp_path)])
@@ -142,7 +142,7 @@ def test_curve_measures_the_six_fractions_and_draws_them(tmp_path, monkeypatch, 
 def test_all_the_labels_reuse_the_full_label_linear():
     """Fraction 1 is the whole training split: its frozen linear is the full-label linear, not trained twice."""
     from moco_lightning.cli.evaluate import datamodule_of
-    from moco_lightning.evaluate import evaluate
+    from moco_lightning.downstream.evaluate import evaluate
 
     result = evaluate(FIXTURE_CKPT, datamodule_of(None, "test", True), (0.05, 1.0), (20,), fine_tune=False,
                       scratch=False, progress=lambda line: None)  # fmt: skip
@@ -155,7 +155,7 @@ def test_all_the_labels_reuse_the_full_label_linear():
 def test_labels_to_match_reads_the_from_scratch_curve_where_it_reaches_the_fine_tuned_encoder():
     """Fine-tuned 0.80 with 60 labels; from scratch 0.70 at 60, 0.76 at 120, 0.84 at 600: it reaches 0.80 half-way
     (in log labels) between 120 and 600, at 120 * 5 ** 0.5 = 268 labels, 4.5x; never reached: None, said so."""
-    from moco_lightning.evaluate import labels_to_match, markdown
+    from moco_lightning.downstream.evaluate import labels_to_match, markdown
 
     rows = {"0.01": dict(labels=60, fine_tuned=0.80, from_scratch=0.70),
             "0.02": dict(labels=120, fine_tuned=0.85, from_scratch=0.76),

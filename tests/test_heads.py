@@ -6,8 +6,8 @@ from helpers.models import tiny_moco
 from torch import nn
 
 from moco_lightning import MoCoV3
-from moco_lightning.backbones import ViT
-from moco_lightning.heads import MLP, is_vit, v3_heads
+from moco_lightning.modules.backbones import ViT
+from moco_lightning.modules.heads import MLP, is_vit, v3_heads
 
 
 def layout(module: nn.Module) -> list:

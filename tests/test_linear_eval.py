@@ -14,8 +14,8 @@ from lightning.pytorch import Callback, LightningDataModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from moco_lightning.downstream.linear_eval import LinearClassifier
 from moco_lightning.errors import ConfigError
-from moco_lightning.linear_eval import LinearClassifier
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "linear_eval.yaml"
 
@@ -240,7 +240,7 @@ def test_exported_narrow_backbone_is_linearly_evaluated_from_its_file(seeded, tm
     from helpers.trainers import cpu_trainer
 
     from moco_lightning import MoCo
-    from moco_lightning.export import export_backbone
+    from moco_lightning.downstream.export import export_backbone
 
     moco = MoCo(backbone="resnet18", width=0.5, in_channels=1, image_size=28, queue_size=16, hidden_dim=32, dim=8)
     t = cpu_trainer(max_steps=1, limit_val_batches=0)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from lightly.loss import NTXentLoss
 
-from moco_lightning.loss import info_nce
+from moco_lightning.modules.loss import info_nce
 
 
 def fixed(n, c, seed):

@@ -24,12 +24,12 @@ from helpers.cli import in_process
 from helpers.distributed import ExitHandlers
 
 import moco_lightning
-from moco_lightning import distributed
+from moco_lightning.modules import distributed
 
 TINY = dict(backbone="resnet18", width=0.0625, in_channels=1, image_size=28, hidden_dim=16, dim=8)
 CONSTANT = dict(lr_schedule="constant", warmup_epochs=0)  # schedules that do not depend on the planned length
 VIT = {
-    "class_path": "moco_lightning.backbones.ViT",
+    "class_path": "moco_lightning.modules.backbones.ViT",
     "init_args": dict(image_size=28, patch_size=7, in_channels=1, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32),
 }
 METHODS = {  # name: (class, the tiny run's arguments)
@@ -202,8 +202,8 @@ def test_the_shipped_variant_configs_say_their_papers_values(shipped, capsys):
 def test_python_fit_trains_the_weights_the_cli_trains(method, tmp_path_factory, monkeypatch):
     from lightning.pytorch import Trainer, seed_everything
 
-    from moco_lightning.backbones import build_from_spec
     from moco_lightning.datamodules import FashionMNISTDataModule
+    from moco_lightning.modules.backbones import build_from_spec
 
     cli_run = state(run(method, tmp_path_factory) / "ckpt" / "last.ckpt")
     seed_everything(0, verbose=False)
@@ -261,7 +261,7 @@ def test_training_longer_follows_the_schedules_of_the_new_length(method, tmp_pat
     """A finished 2-epoch run (8 steps, cosine lr with a 2-step warm-up, the momentum on its cosine where the method
     has one) resumed with ``--ckpt_path last --trainer.max_epochs 4``: the 8 added steps train (the backbone moves)
     at the lr and momentum of a run planned for 16 steps, step for step, and the warning names the real end step."""
-    from moco_lightning.optim import cosine
+    from moco_lightning.modules.optim import cosine
 
     name = METHODS[method][0]
     schedules = dict(lr_schedule="cosine", warmup_epochs=0.5)
@@ -357,8 +357,8 @@ def test_export_and_load_backbone_give_the_trained_encoders(method, tmp_path_fac
     from PIL import Image
 
     from moco_lightning import load_backbone
+    from moco_lightning.cli.export import main as export
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.export import main as export
 
     path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
     saved = state(path)["state_dict"]
@@ -401,9 +401,9 @@ def test_linear_evaluation_and_low_label_fine_tuning_from_checkpoint_and_export(
 ):
     from lightning.pytorch import Trainer
 
+    from moco_lightning.cli.export import main as export
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.export import main as export
-    from moco_lightning.linear_eval import LinearClassifier
+    from moco_lightning.downstream.linear_eval import LinearClassifier
 
     path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
     saved = state(path)["state_dict"]
@@ -451,7 +451,7 @@ FIXTURE_ARGS = {
 def test_a_checkpoint_of_the_previous_format_loads_resumes_and_exports(name, tmp_path):
     """Tiny checkpoints written by moco-lightning 0.2.0 (format 2, `moco-lightning fit`, 2 steps): MoCo v3,
     EndToEnd and MemoryBankMoCo ones could not be reloaded then; they load, resume and export now."""
-    from moco_lightning.export import main as export
+    from moco_lightning.cli.export import main as export
 
     path = FIXTURES / f"{name}.ckpt"
     saved = state(path)
@@ -490,8 +490,8 @@ def test_a_training_step_reads_nothing_back_to_the_host_between_logging_steps(me
     from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from moco_lightning.backbones import build_from_spec
     from moco_lightning.datamodules import FashionMNISTDataModule
+    from moco_lightning.modules.backbones import build_from_spec
 
     seed_everything(0, verbose=False)
     args = {**TINY, **CONSTANT, **METHODS[method][1]}
@@ -556,7 +556,7 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(command, tmp_path, cap
     from helpers.files import write_tree
 
     import moco_lightning.cli.evaluate as cli_evaluate
-    import moco_lightning.encoder as encoder
+    import moco_lightning.downstream.encoder as encoder
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before --out was checked")
@@ -658,7 +658,7 @@ def test_a_fine_tuned_checkpoint_exports_its_backbone(method, tmp_path_factory, 
 
     from moco_lightning import load_backbone
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.linear_eval import LinearClassifier
+    from moco_lightning.downstream.linear_eval import LinearClassifier
 
     path = run(method, tmp_path_factory) / "ckpt" / "last.ckpt"
     classifier = LinearClassifier(ckpt_path=str(path), finetune=True, lr=0.05, schedule="cosine")

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moco_lightning.memory_bank import MemoryBank
+from moco_lightning.modules.memory_bank import MemoryBank
 
 
 def test_update_moves_exactly_the_batch_rows_with_the_momentum_formula(seeded):

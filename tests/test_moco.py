@@ -190,7 +190,7 @@ def test_symmetric_loss_and_both_keys_enqueued(seeded):
     x1, x2 = torch.randn(8, 1, 28, 28), torch.randn(8, 1, 28, 28)
     out = model.views_loss([x1, x2])
     queue = model.dictionary.keys
-    from moco_lightning.loss import info_nce
+    from moco_lightning.modules.loss import info_nce
 
     _, q1 = model.query(x1)
     _, q2 = model.query(x2)

@@ -8,7 +8,7 @@ import torch
 from lightly.utils.lars import LARS as LightlyLARS
 from torch import nn
 
-from moco_lightning.optim import LARS, build_optimizer, lr_factor, momentum_at
+from moco_lightning.modules.optim import LARS, build_optimizer, lr_factor, momentum_at
 
 
 def reference_lars_step(params, grads, bufs, lr, momentum, weight_decay, tc):

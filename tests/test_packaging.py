@@ -84,62 +84,12 @@ def test_lightning_requirement_forwards_set_epoch_to_our_samplers():
     assert inner.epoch == 1 and list(wrapper) != first
 
 
-def test_no_module_imports_a_module_that_imports_it_back():
-    """The library's import graph (every ``import`` in moco_lightning/, datamodules/, callbacks/, at module level or
-    inside functions; a ``__main__`` block excepted) has no cycle: the package's ``__init__`` is imported by no module
-    of it (``__version__`` has its own), and the command line is imported by none of the modules it runs."""
-    import ast
-
-    folders = {
-        "moco_lightning": ROOT / "moco_lightning",
-        "moco_lightning.datamodules": ROOT / "datamodules",
-        "moco_lightning.callbacks": ROOT / "callbacks",
-        "moco_lightning.cli": ROOT / "moco_lightning" / "cli",
-    }
-    files = {}
-    for package, folder in folders.items():
-        for path in folder.glob("*.py"):
-            files[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
-
-    def imported(module: str, node: ast.AST) -> set:
-        if isinstance(node, ast.Import):
-            return {a.name for a in node.names} & files.keys()
-        base = module.split(".") if files[module].stem == "__init__" else module.split(".")[:-1]
-        target = (
-            ".".join(base[: len(base) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
-        )
-        subs = {f"{target}.{a.name}" for a in node.names}
-        return (subs | ({target} if subs - files.keys() else set())) & files.keys()
-
-    graph = {}
-    for module, path in files.items():
-        tree = ast.parse(path.read_text())
-        main_blocks = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-        skipped = {id(x) for block in main_blocks for x in ast.walk(block)}
-        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skipped]
-        graph[module] = set().union(*(imported(module, n) for n in nodes)) - {module}
-
-    def reaches(start: str) -> set:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph[todo.pop()] - seen:
-                seen.add(nxt)
-                todo.append(nxt)
-        return seen
-
-    assert len(graph) > 40
-    cycles = sorted(m for m in graph if m in reaches(m))
-    assert not cycles, {m: sorted(graph[m] & {n for n in cycles if m in reaches(n)}) for m in cycles}
-
-
-def test_the_core_is_small_files_with_one_pretraining_step():
-    """No file of moco_lightning/ over 300 lines; one ``training_step`` for every pretraining method
+def test_one_pretraining_step():
+    """One ``training_step`` for every pretraining method
     (``Pretraining``'s) beside the supervised one of ``LinearClassifier``; no method class defines
     ``validation_step`` or the after-step work of its own."""
     import ast
 
-    long = {p.name: n for p in (ROOT / "moco_lightning").rglob("*.py") if (n := len(p.read_text().splitlines())) > 300}
-    assert not long, long
     defined: dict = {}
     for path in (ROOT / "moco_lightning").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

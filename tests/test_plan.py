@@ -12,8 +12,8 @@ from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning.errors import ConfigError
-from moco_lightning.optim import cosine
-from moco_lightning.plan import change_length
+from moco_lightning.modules.optim import cosine
+from moco_lightning.training.plan import change_length
 
 
 class Longer(Callback):
@@ -79,7 +79,7 @@ def test_a_resumed_run_of_another_length_follows_the_schedules_of_that_length(tm
     """Resumed at step 4 with max_steps 16 (or 6) instead of 8: from step 4 on, the lr and the momentum are those of
     a run planned for 16 (or 6) steps, as if it had been planned so from the start (warm-up unchanged: 1 step), ending
     at lr 0 and momentum 1 on the last step; the warning names the step the run ends at and the lr it follows."""
-    from moco_lightning.optim import cosine
+    from moco_lightning.modules.optim import cosine
 
     planned, resumed, messages = _planned_then_resumed(tmp_path, steps_then)
     peak = 0.06 * 16 / 256

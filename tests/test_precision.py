@@ -3,8 +3,8 @@ line; through the CLI's Trainer and the public helper, with the hardware probes 
 
 import pytest
 
-import moco_lightning.precision as precision
-from moco_lightning.precision import AutoPrecisionTrainer, auto_precision
+import moco_lightning.training.precision as precision
+from moco_lightning.training.precision import AutoPrecisionTrainer, auto_precision
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moco_lightning.queue import KeyQueue
+from moco_lightning.modules.queue import KeyQueue
 
 
 def sequential_reference(initial: torch.Tensor, batches: list[torch.Tensor]) -> tuple[torch.Tensor, int]:

@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer
 
 import moco_lightning.datamodules as datamodules
 from moco_lightning import MoCo
-from moco_lightning.export import export_backbone
+from moco_lightning.downstream.export import export_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

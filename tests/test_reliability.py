@@ -16,8 +16,8 @@ from helpers.trainers import cpu_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning import MoCo
-from moco_lightning.export import backbone_state_dict, export_backbone
-from moco_lightning.run_state import FORMAT_VERSION
+from moco_lightning.downstream.export import backbone_state_dict, export_backbone
+from moco_lightning.training.run_state import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -371,7 +371,7 @@ def test_the_nan_guard_reads_its_flags_at_least_every_max_unread_steps(seeded, m
     (whatever log_every_n_steps says): what is kept unread stays small."""
     from lightning.pytorch import Callback
 
-    from moco_lightning.nan_guard import NanGuard
+    from moco_lightning.training.nan_guard import NanGuard
 
     monkeypatch.setattr(NanGuard, "MAX_UNREAD", 2)
     kept = []

@@ -34,7 +34,7 @@ def test_no_host_copy_of_the_key_shuffle_permutation(seeded, monkeypatch):
 def test_split_shuffle_bn_permutes_the_key_batch_before_batchnorm(seeded):
     """Drawing the permutation and not applying it used to pass every test: here the keys must equal the key encoder
     run (split BN, train mode) on the permuted batch, un-permuted, and differ from the unshuffled keys."""
-    from moco_lightning.split_bn import convert_split_bn
+    from moco_lightning.modules.split_bn import convert_split_bn
 
     model = tiny_moco(shuffle_bn="split", bn_splits=2)
     model._shuffle = "split"
@@ -53,7 +53,7 @@ def test_split_shuffle_bn_permutes_the_key_batch_before_batchnorm(seeded):
 
 def test_after_fit_the_backbone_is_the_users_again_and_extracts_features(seeded):
     """README: ``model.eval(); features = model(images)`` after fit, for any batch size; split BN only while fitting."""
-    from moco_lightning.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import SplitBatchNorm2d
 
     model = tiny_moco(shuffle_bn="split", bn_splits=4)
     types = {name: type(m) for name, m in model.backbone.named_modules()}
@@ -105,7 +105,7 @@ def _settings(bn):
 
 
 def _layer(splits: int = 4, c: int = 6, **kwargs):
-    from moco_lightning.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import SplitBatchNorm2d
 
     layer = SplitBatchNorm2d(c, splits, **kwargs)
     if layer.affine:
@@ -183,7 +183,7 @@ def split_bn_ops(splits: int, memory_format=torch.channels_last) -> int:
     """Kernel operators of one forward + backward of a training-mode layer (``splits`` 0: BatchNorm2d) on
     (128, 64, 8, 8), with the ``.sum().backward()`` around it."""
     from benchmarks.step_overhead import kernel_ops
-    from moco_lightning.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import SplitBatchNorm2d
 
     layer = SplitBatchNorm2d(64, splits) if splits else nn.BatchNorm2d(64)
     x = torch.randn(128, 64, 8, 8).contiguous(memory_format=memory_format).requires_grad_()
@@ -205,7 +205,7 @@ def test_its_cost_does_not_grow_with_the_splits(memory_format):
 def test_the_statistics_of_each_path_equal_float64s(seeded, fused, dtype):
     """Both ways of computing the sub-batches' statistics (a GPU's one Welford pass or its sums with an fp32
     accumulator for bf16; a CPU's sums of x and x·x), on either device: fp32, against float64."""
-    from moco_lightning.split_bn import _moments
+    from moco_lightning.modules.split_bn import _moments
 
     x = (torch.randn(16, 6, 5, 7) * 3 + 1.5).contiguous(memory_format=torch.channels_last).to(dtype)
     xs = x.view(4, 4, 6, 5, 7)

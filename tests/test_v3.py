@@ -78,7 +78,7 @@ def test_multi_crop_without_a_queue_gathers_each_global_key_once(seeded, monkeyp
     """In-batch negatives (v3) with multi-crop: 2 global + 3 local views, symmetric, are 2 + 6 loss terms over 2
     global keys: 2 all-gathers a step (it was one per term, 8; 14 with 6 local views), and the same loss."""
     from moco_lightning import MoCoV3
-    from moco_lightning import loss as loss_module
+    from moco_lightning.modules import loss as loss_module
 
     model = tiny_moco(MoCoV3)
     model.eval()

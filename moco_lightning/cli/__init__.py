@@ -20,6 +20,10 @@ What it adds to LightningCLI:
 - A bad setting or input ends with its message alone (``error: ...``, exit code 2); ``MOCO_LIGHTNING_DEBUG=1``
   shows the traceback.
 - ``fit`` ends with a table of the final metrics (and the count of unreadable images skipped, if any).
+
+Every command lives here: ``fit`` and the other Lightning subcommands (``app``), ``evaluate``, ``export``, ``embed``
+and ``linear``, each a module with a ``main(argv)``, dispatched from :data:`COMMANDS`. Imports: everything; nothing
+imports the CLI (the computation each command runs is importable without it).
 """
 
 from __future__ import annotations
@@ -27,8 +31,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from ..distributed import end_process_group
-from .app import (
+from moco_lightning.cli.app import (
     REFUSED,
     SUBCOMMANDS,
     MoCoCLI,
@@ -37,11 +40,21 @@ from .app import (
     make_cli,
     run_cli,
 )
-from .messages import CLI_HELP, bad_choice, condense_parser_error, known_classes, missing_argument, yaml_error
-from .resume import check_checkpoint_class, newest_readable, resolve_last_checkpoint
+from moco_lightning.cli.messages import (
+    CLI_HELP,
+    COMMANDS,
+    bad_choice,
+    condense_parser_error,
+    known_classes,
+    missing_argument,
+    yaml_error,
+)
+from moco_lightning.cli.resume import check_checkpoint_class, newest_readable, resolve_last_checkpoint
+from moco_lightning.modules.distributed import end_process_group
 
 __all__ = [
     "CLI_HELP",
+    "COMMANDS",
     "REFUSED",
     "SUBCOMMANDS",
     "MoCoCLI",
@@ -62,30 +75,32 @@ __all__ = [
 ]
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["export"]:
-        from ..export import main as export_main
+def _linear(argv: list[str], args: Optional[list[str]]) -> None:
+    from moco_lightning.cli.linear import main as linear_main
 
-        return export_main(argv[1:])
-    if argv[:1] == ["evaluate"]:
-        from .evaluate import main as evaluate_main
+    if args is None:  # LightningCLI reads the command line itself: without the subcommand's name
+        sys.argv = [sys.argv[0], *argv]
+    return linear_main(None if args is None else argv, prog="moco-lightning linear")
 
-        return evaluate_main(argv[1:])
-    if argv[:1] == ["embed"]:
-        from ..embed import main as embed_main
 
-        return embed_main(argv[1:])
-    if argv[:1] == ["linear"]:
-        from .linear import main as linear_main
-
-        if args is None:  # LightningCLI reads the command line itself: without the subcommand's name
-            sys.argv = [sys.argv[0], *argv[1:]]
-        return linear_main(None if args is None else argv[1:], prog="moco-lightning linear")
-    from ..base import Pretraining
-    from ..moco import MoCo
+def _pretraining(args: Optional[list[str]]) -> None:
+    from moco_lightning.methods.base import Pretraining
+    from moco_lightning.methods.moco import MoCo
 
     try:
         run_cli(Pretraining, args, default_model=MoCo)
     finally:
         end_process_group()
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """``moco-lightning <command> ...``: one of :data:`COMMANDS`, else LightningCLI over the pretraining methods."""
+    import importlib
+
+    argv = sys.argv[1:] if args is None else args
+    command = argv[0] if argv else None
+    if command == "linear":
+        return _linear(argv[1:], args)
+    if command in COMMANDS:
+        return importlib.import_module(COMMANDS[command]).main(argv[1:])
+    return _pretraining(args)

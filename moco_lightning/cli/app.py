@@ -12,15 +12,25 @@ from typing import Any, Optional
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
-from .._lightning import CLIHooks
-from ..base import Pretraining
-from ..checkpoint_io import read_checkpoint
-from ..compat import stem_of_cifar_stem, upgrade
-from ..errors import BadInputError, ConfigError
-from ..moco import MoCo
-from ..precision import AutoPrecisionTrainer
-from .messages import CLI_HELP, HelpFormatter, bad_choice, condense_parser_error, missing_argument, yaml_error
-from .resume import check_checkpoint_class, resolve_last_checkpoint
+from moco_lightning._lightning import CLIHooks
+from moco_lightning.cli.messages import (
+    CLI_HELP,
+    HelpFormatter,
+    bad_choice,
+    condense_parser_error,
+    final_metrics_table,
+    missing_argument,
+    usage,
+    yaml_error,
+)
+from moco_lightning.cli.resume import check_checkpoint_class, resolve_last_checkpoint
+from moco_lightning.downstream.linear_eval import LinearClassifier
+from moco_lightning.errors import BadInputError, ConfigError
+from moco_lightning.methods.base import Pretraining
+from moco_lightning.methods.moco import MoCo
+from moco_lightning.training.checkpoint_io import read_checkpoint
+from moco_lightning.training.compat import stem_of_cifar_stem, upgrade
+from moco_lightning.training.precision import AutoPrecisionTrainer
 
 
 class MoCoCLI(CLIHooks, LightningCLI):
@@ -65,9 +75,8 @@ class MoCoCLI(CLIHooks, LightningCLI):
             path = self.config[sub].get("ckpt_path")
             if path:  # Lightning now replaces the model's settings by the checkpoint's
                 self._given_model = _plain(self.config[sub]["model"])
-                check_checkpoint_class(
-                    read_checkpoint(path, arg="--ckpt_path", keep=True), path, self._given_model, self.model_class
-                )
+                model_class = _model_class(self._given_model, self._default_model or self.model_class)
+                check_checkpoint_class(read_checkpoint(path, arg="--ckpt_path", keep=True), path, model_class)
 
     def model_from_checkpoint(self) -> None:
         """The model's settings of a ``--ckpt_path`` run are the checkpoint's (as Lightning does), read safely
@@ -138,7 +147,7 @@ def from_config(config: Any, *overrides: str) -> tuple[Any, Any]:
     """``(model, datamodule)`` of a config of ``moco-lightning fit``, with command-line style overrides
     (``"--model.width=0.25"``), built by the same CLI and not run: a config in Python code, without the Trainer's
     logger and callbacks."""
-    from .._lightning import own_hyperparameters
+    from moco_lightning._lightning import own_hyperparameters
 
     args = ["--config", str(config), "--trainer.logger=false", "--trainer.callbacks=[]", *overrides]
     try:
@@ -177,26 +186,6 @@ def make_cli(model_class: type, args: Any, default_model: Optional[type], **kwar
     )
 
 
-def final_metrics_table(metrics: dict, trainer: Any) -> str:
-    """The metrics at the end of fit, each evaluation metric with the step it was measured at when that is not the
-    last one (a kNN monitor that ran only at step 0 reports the random-init encoder: say so)."""
-    measured: dict = {}
-    for callback in trainer.callbacks:
-        measured.update(getattr(callback, "measured_at", None) or {})
-    step, width = trainer.global_step, max(map(len, metrics))
-    lines = [f"\nFinal metrics (at step {step}):"]
-    for name, value in metrics.items():
-        at = measured.get(name)
-        if at is None or at == step:
-            when = ""
-        elif at == 0:
-            when = "  (step 0: before training)"
-        else:
-            when = f"  (measured at step {at})"
-        lines.append(f"  {name:<{width}}  {value:.4g}{when}")
-    return "\n".join(lines)
-
-
 def _init_args(model: dict) -> dict:
     """The constructor arguments of a model config, with or without ``class_path``/``init_args``."""
     args = dict(model.get("init_args", model)) if isinstance(model, dict) else {}
@@ -231,7 +220,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 REFUSED = {  # subcommands Lightning offers that have nothing to run here: one line each, saying what to use instead
     "test": "test: there is no test step, and a datamodule of this library has no test split of its own (its val "
     "split is the held-out one): `validate --ckpt_path <checkpoint>` reports the held-out metrics; an encoder's "
-    "accuracy comes from linear evaluation (python -m moco_lightning.linear_eval fit --model.ckpt_path ...)",
+    "accuracy comes from linear evaluation (moco-lightning linear fit --model.ckpt_path ...)",
     "predict": "predict: for features, export the backbone (`moco-lightning export --ckpt <checkpoint> --out "
     "backbone.pt`) and run it on your images, or call trainer.predict(model, dataloaders=...) from Python "
     "(predict_step returns backbone features); for class predictions use linear_eval's classifier in Python",
@@ -246,11 +235,13 @@ def run_cli(
 ) -> Optional[MoCoCLI]:
     """Lightning's CLI over any subclass of ``model_class`` (``model: class_path: moco_lightning.MoCoV3``; without a
     class_path, ``default_model``, else ``model_class`` itself) and any datamodule (``data: class_path: ...``);
-    ``prog``: the command's name in its messages (default ``moco-lightning``, or ``python -m <module>``)."""
+    ``prog``: the command's name in its messages (default ``moco-lightning``, ``moco-lightning linear`` for the
+    linear classifier, else ``python -m <module>``)."""
     from argparse import ArgumentError
 
-    module = "moco_lightning.linear_eval" if model_class.__module__ == "__main__" else model_class.__module__
-    prog = prog or ("moco-lightning" if default_model is MoCo else f"python -m {module}")
+    if prog is None:
+        named = {MoCo: "moco-lightning", LinearClassifier: "moco-lightning linear"}
+        prog = named.get(default_model or model_class, f"python -m {model_class.__module__}")
     argv = sys.argv[1:] if args is None else args
     sub = next((a for a in argv if a in SUBCOMMANDS), None)
     no_exit = {"exit_on_error": False}  # a parse error is raised to here, not printed after 60 lines of usage
@@ -263,6 +254,7 @@ def run_cli(
             parser_kwargs={
                 **no_exit,
                 "description": CLI_HELP if default_model is MoCo else None,
+                **({"usage": usage(prog, SUBCOMMANDS)} if default_model is MoCo else {}),
                 "formatter_class": HelpFormatter,
                 "prog": prog,
                 **{name: no_exit for name in SUBCOMMANDS},

@@ -1,4 +1,5 @@
-"""``moco-lightning evaluate``: the command over :func:`moco_lightning.evaluate.evaluate` (its module docstring is
+"""``moco-lightning evaluate``: the command over :func:`moco_lightning.downstream.evaluate.evaluate` (its module
+docstring is
 the command's help)."""
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .. import evaluate as measure
-from ..compat import constructor_arguments
-from ..datamodules import BadImageError
-from ..embed import check_out_folder
-from ..errors import ConfigError
-from ..evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate, markdown, plot, run_name
+from moco_lightning.datamodules import BadImageError
+from moco_lightning.downstream import evaluate as measure
+from moco_lightning.downstream.embed import check_out_folder
+from moco_lightning.downstream.evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate, markdown, plot, run_name
+from moco_lightning.errors import ConfigError
+from moco_lightning.training.compat import constructor_arguments
 
 FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out where it has no evaluation split
 
@@ -22,7 +23,7 @@ FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out 
 def folder_settings(ckpt: str) -> dict:
     """An image folder's settings for the encoder of ``ckpt``: the size, channels, mean, std and resize it was
     pretrained with (its recorded evaluation transform; without one, the architecture's size and channels)."""
-    from ..encoder import encoder_of, transform_in
+    from moco_lightning.downstream.encoder import encoder_of, transform_in
 
     state, architecture = encoder_of(ckpt, arg="--ckpt")
     recorded = transform_in(state)
@@ -50,7 +51,7 @@ def datamodule_of(
     from jsonargparse import ArgumentParser
     from lightning.pytorch import LightningDataModule
 
-    from ..datamodules import ImageFolderDataModule
+    from moco_lightning.datamodules import ImageFolderDataModule
 
     data: dict = {"class_path": "moco_lightning.datamodules.FashionMNISTDataModule", "init_args": {}}
     if config and data_dir:

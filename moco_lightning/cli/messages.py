@@ -5,11 +5,11 @@ import with the classes it could be."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lightning.pytorch import LightningDataModule
 
-from ..base import Pretraining
+from moco_lightning.methods.base import Pretraining
 
 
 def yaml_error(argv: list[str]) -> Optional[str]:
@@ -147,8 +147,21 @@ CLI_HELP = """moco-lightning: self-supervised pretraining (MoCo v1/v2/v3, SimCLR
   moco-lightning embed --ckpt last.ckpt --data DIR --out OUT    every image's features, .npy + index.csv
                                       (--neighbours K: a picture of nearest neighbours; --projector: TensorBoard)
   moco-lightning linear fit --config configs/linear_eval.yaml --model.ckpt_path last.ckpt
-                                      linear evaluation (the same: python -m moco_lightning.linear_eval fit ...)
+                                      linear evaluation (also: python -m moco_lightning.cli.linear fit ...)
 """
+
+#: the commands beside LightningCLI's own (fit, validate, test, predict): name -> module whose ``main(argv)`` runs it
+COMMANDS = {
+    "evaluate": "moco_lightning.cli.evaluate",
+    "export": "moco_lightning.cli.export",
+    "embed": "moco_lightning.cli.embed",
+    "linear": "moco_lightning.cli.linear",
+}
+
+
+def usage(prog: str, lightning_commands: tuple) -> str:
+    """The usage line of ``moco-lightning --help``: every subcommand, LightningCLI's and the library's."""
+    return f"{prog} [-h] [-c CONFIG] [--print_config] {{{','.join([*lightning_commands, *COMMANDS])}}} ..."
 
 
 def _help_formatter() -> type:
@@ -165,3 +178,23 @@ def _help_formatter() -> type:
 
 
 HelpFormatter = _help_formatter()  # the command line's help: jsonargparse's, keeping line breaks
+
+
+def final_metrics_table(metrics: dict, trainer: Any) -> str:
+    """The metrics at the end of fit, each evaluation metric with the step it was measured at when that is not the
+    last one (a kNN monitor that ran only at step 0 reports the random-init encoder: say so)."""
+    measured: dict = {}
+    for callback in trainer.callbacks:
+        measured.update(getattr(callback, "measured_at", None) or {})
+    step, width = trainer.global_step, max(map(len, metrics))
+    lines = [f"\nFinal metrics (at step {step}):"]
+    for name, value in metrics.items():
+        at = measured.get(name)
+        if at is None or at == step:
+            when = ""
+        elif at == 0:
+            when = "  (step 0: before training)"
+        else:
+            when = f"  (measured at step {at})"
+        lines.append(f"  {name:<{width}}  {value:.4g}{when}")
+    return "\n".join(lines)

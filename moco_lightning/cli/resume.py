@@ -8,20 +8,21 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..checkpoint_io import read_checkpoint
-from ..errors import ConfigError
+from moco_lightning.errors import ConfigError
+from moco_lightning.training.checkpoint_io import read_checkpoint
 
 
-def check_checkpoint_class(ckpt: dict, path: str, model: Any, default: type) -> None:
-    """A checkpoint of another method (SimCLR into a MoCo run) is an error naming both classes, not a silent switch."""
-    saved = (ckpt.get("hyper_parameters") or {}).get("_class_path")
-    configured = model.get("class_path") if isinstance(model, dict) else None
-    configured = configured or f"{default.__module__}.{default.__qualname__}"
-    if saved and saved.rsplit(".", 1)[-1] != configured.rsplit(".", 1)[-1]:
-        raise ConfigError(
-            f"--ckpt_path {path}: the checkpoint is a {saved} run, the config trains {configured}; resume it with "
-            "its own config (or model.class_path), or drop --ckpt_path to start a new run"
-        )
+def check_checkpoint_class(ckpt: dict, path: str, model_class: type) -> None:
+    """A checkpoint of another method (SimCLR into a MoCo run) is an error naming both classes, not a silent switch
+    (the configured class or a subclass of it; :func:`~moco_lightning.training.run_state.checkpoint_class`)."""
+    from moco_lightning.training.run_state import checkpoint_class
+
+    checkpoint_class(
+        ckpt,
+        model_class,
+        f"--ckpt_path {path}",
+        "resume it with its own config (model.class_path: {path}), or drop --ckpt_path to start a new run",
+    )
 
 
 def resolve_last_checkpoint(config: Any) -> Optional[str]:

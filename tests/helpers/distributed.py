@@ -29,7 +29,8 @@ def free_port() -> str:
 
 
 class ExitHandlers:
-    """Stands in for the ``atexit`` module of :mod:`moco_lightning.distributed` (``monkeypatch.setattr(distributed,
+    """Stands in for the ``atexit`` module of :mod:`moco_lightning.modules.distributed`
+    (``monkeypatch.setattr(distributed,
     "atexit", ExitHandlers())``): records what would run at exit, once per function, as ``atexit`` keeps it."""
 
     def __init__(self) -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from moco_lightning.compat import constructor_arguments
+from moco_lightning.training.compat import constructor_arguments
 
 
 def tiny_backbone(in_channels: int = 1, stride: int = 2) -> nn.Module:

@@ -1,0 +1,159 @@
+"""What earlier versions of moco-lightning wrote, read in one place; each path is removed in the release named.
+
+- checkpoint formats 1 to 3 (moco-lightning 0.1 and 0.2): :func:`upgrade` brings their hyper-parameters and state
+  to today's classes (format 3 named the dictionary ``queue`` / ``memory_bank`` in the state dict, now
+  ``dictionary``); :func:`rng_states_per_rank` reads format 1's RNG states (rank 0's alone);
+  :func:`format2_momentum_copy` finds the momentum copy format 2 did not record;
+- ``cifar_stem`` (deprecated in 0.3): :func:`warn_cifar_stem` for a new module, :func:`stem_of_cifar_stem` for the
+  hyper-parameters of a checkpoint;
+- the datamodules' augmentation state of 0.1.0 (rank 0's generator state alone): :func:`augment_states_per_rank`;
+- the flat layout of 0.1 to 0.3 (``moco_lightning.moco``, ``moco_lightning.split_bn``, ...): :data:`MOVED` names
+  where each module went; :func:`install_moved_modules` makes ``import moco_lightning.moco`` (a user's import, a
+  config's ``class_path: moco_lightning.backbones.ViT``) load the module at its new place, and
+  :func:`current_path` reads a class path a checkpoint recorded in the old layout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from typing import Any, Mapping, Optional
+
+REMOVED_IN = "0.4.0"  # the release that stops reading the formats of 0.1 and 0.2
+CURRENT_FORMAT = 4  # moco_lightning.training.run_state.FORMAT_VERSION: formats below it are upgraded here
+
+
+_PACKAGES = {
+    "methods": "base contrastive moco v3 end_to_end memory_bank_moco simclr byol swav",
+    "modules": "loss queue memory_bank negatives momentum heads split_bn distributed backbones batches optim",
+    "training": "plan run_state continuity preemption log_history nan_guard checkpoint checkpoint_io compat precision",
+    "downstream": "encoder export detection deployment embed evaluate linear_eval pictures",
+}
+#: the modules of the flat layout (moco-lightning 0.1 to 0.3) -> where they are now
+MOVED = {
+    f"moco_lightning.{name}": f"moco_lightning.{package}.{name}"
+    for package, names in _PACKAGES.items()
+    for name in names.split()
+}
+
+
+def current_path(path: str) -> str:
+    """``path`` (``module.Class``) in today's layout: a class path recorded by 0.1-0.3 (``moco_lightning.moco.MoCo``)
+    becomes ``moco_lightning.methods.moco.MoCo``; any other path is returned as it is."""
+    module, _, name = path.rpartition(".")
+    return f"{MOVED[module]}.{name}" if module in MOVED else path
+
+
+class _MovedModules:
+    """A meta-path finder: importing an old module name gives the module at its new place (the same object, so
+    classes compare equal whichever name imported them)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MOVED:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        import importlib
+
+        module = importlib.import_module(MOVED[spec.name])
+        self._spec = module.__spec__  # the import system sets __spec__ on what this returns: restored below
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self._spec
+
+
+def install_moved_modules() -> None:
+    """Old module names import (once per process; ``import moco_lightning`` calls it)."""
+    import sys
+
+    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedModules())
+
+
+def constructor_arguments(cls: type, root: Optional[type] = None) -> set[str]:
+    """The arguments ``cls(...)`` accepts: its ``__init__``'s and, through ``**kwargs``, its bases' up to ``root``
+    (Lightning's ``LightningModule`` by default; ``LightningDataModule`` for a datamodule)."""
+    from lightning.pytorch import LightningModule
+
+    root = root or LightningModule
+    names: set[str] = set()
+    for c in cls.__mro__:
+        if c is root or not issubclass(c, root):
+            break
+        if "__init__" in vars(c):
+            params = inspect.signature(c.__init__).parameters.values()
+            names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return names
+
+
+def upgrade(checkpoint: dict, cls: type) -> None:
+    """A checkpoint of ``cls`` in today's layout (in place): ``cifar_stem`` as ``stem``, and for format 1/2 more.
+
+    Format 2 recorded as hyper-parameters the values that MoCo v3, EndToEnd and MemoryBankMoCo passed to MoCo's
+    constructor (``queue_size=0``, ``momentum=0.0``, ``head='mlp'``...) and kept an empty queue in their state: these
+    classes no longer take or have them. Dropped settings that were the user's (EndToEnd's ``shuffle_bn``) are
+    named in a warning."""
+    stem_of_cifar_stem(checkpoint.get("hyper_parameters") or {})
+    meta = checkpoint.get("moco_lightning") or {}
+    version = meta.get("format_version", CURRENT_FORMAT)
+    if version >= CURRENT_FORMAT:
+        return
+    state = checkpoint.get("state_dict") or {}
+    for name in [k for k in state if k.startswith(("queue.", "memory_bank."))]:  # format 3 and older
+        state["dictionary." + name.split(".", 1)[1]] = state.pop(name)
+    if version >= 3:
+        return
+    hparams = checkpoint.get("hyper_parameters") or {}
+    accepted = constructor_arguments(cls)
+    dropped = {k: hparams.pop(k) for k in list(hparams) if not k.startswith("_") and k not in accepted}
+    fixed = {"queue_size": 0, "momentum": 0.0, "momentum_schedule": "constant", "head": "mlp", "symmetric": True}
+    own = {k: v for k, v in dropped.items() if k not in fixed or fixed[k] != v}
+    if own:
+        warnings.warn(
+            f"{cls.__name__} no longer takes {', '.join(sorted(own))} (a format-{meta.get('format_version')} "
+            "checkpoint): ignored",
+            stacklevel=3,
+        )
+    if "dictionary.keys" in state and state["dictionary.keys"].numel() == 0:  # a queue-free dictionary's empty queue
+        for name in ("dictionary.keys", "dictionary.ptr", "dictionary.enqueued_at"):
+            state.pop(name, None)
+
+
+def warn_cifar_stem(cifar_stem: bool, who: str) -> None:
+    """``cifar_stem=True``, the older spelling of ``stem="cifar"``: a warning, for the one release it still works."""
+    if cifar_stem:
+        warnings.warn(
+            f"{who}: cifar_stem=True is deprecated and goes in moco-lightning 0.4: use stem='cifar' (the same stem)",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+def stem_of_cifar_stem(hparams: dict) -> None:
+    """``cifar_stem: true`` (deprecated in 0.3) read as ``stem: cifar``, so that an older checkpoint reloads and resumes
+    without the deprecation warning and agrees with a config that says ``stem: cifar``."""
+    if hparams.get("cifar_stem") and hparams.get("stem") in (None, "cifar"):
+        hparams["cifar_stem"], hparams["stem"] = False, "cifar"
+
+
+def rng_states_per_rank(saved: Any) -> list:
+    """The saved RNG states as one entry per rank: format 1 saved rank 0's alone (a mapping)."""
+    return [saved] if isinstance(saved, Mapping) else list(saved)
+
+
+def format2_momentum_copy(state_dict: Mapping) -> Optional[str]:
+    """Format 2 did not record the momentum copies: the one child named ``<prefix>_backbone`` holds the backbone's."""
+    names = {m.group(1) for k in state_dict if (m := re.match(r"(\w+_backbone)\.", k))}
+    return names.pop() if len(names) == 1 else None
+
+
+def augment_states_per_rank(saved: Any) -> Any:
+    """A datamodule's augmentation generator states, one per rank: 0.1.0 saved rank 0's alone (a tensor)."""
+    import torch
+
+    return [saved] if isinstance(saved, torch.Tensor) else saved
