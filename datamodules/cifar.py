@@ -4,7 +4,7 @@ colour 32x32 images, 10 or 100 classes.
 Read from the "python version" pickles torchvision downloads and extracts:
 ``<data_dir>/cifar-10-batches-py/{data_batch_1..5, test_batch}`` and
 ``<data_dir>/cifar-100-python/{train, test}``. Both splits fit in memory as uint8 (180 MB), so the
-views are drawn batched on the device (:class:`~moco_lightning.datamodules.base.InMemoryDataModule`).
+views are drawn batched on the device (:class:`~moco_lightning.datamodules.in_memory.InMemoryDataModule`).
 
 ``download=True`` fetches the archive with torchvision's ``CIFAR10(data_dir, download=True)`` /
 ``CIFAR100(...)`` (MD5-checked) when the files are missing. Loading reads the pickles directly,
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from moco_lightning.errors import ConfigError, DataNotFoundError
 
-from .base import InMemoryDataModule
+from .in_memory import InMemoryDataModule
 from .transforms import Preset, view_settings
 
 
@@ -63,7 +63,7 @@ class CIFAR10DataModule(InMemoryDataModule):
         data_dir: folder holding ``cifar-10-batches-py/`` (or that folder itself).
         download: download through torchvision into ``data_dir`` when the files are missing.
         **kwargs: batch size, workers, seed, pretrain, multi-crop, subsets: see
-            :class:`~moco_lightning.datamodules.base.InMemoryDataModule`. Evaluation uses the test split.
+            :class:`~moco_lightning.datamodules.in_memory.InMemoryDataModule`. Evaluation uses the test split.
         image_size: side of the views (32: native; larger upsamples).
         preset: view augmentation (:mod:`~moco_lightning.datamodules.transforms`); the default
             ``moco_v2`` at 32 px, blur off, is the official CIFAR-10 demo's augmentation.

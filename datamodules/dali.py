@@ -40,8 +40,9 @@ from torch import Tensor
 
 from moco_lightning.errors import ConfigError
 
-from .base import EpochPosition
+from .dali_views import DaliViews
 from .images import item_seed
+from .loading import EpochPosition
 from .transforms import ViewSettings
 
 DALI_MODES = ("pretrain", "linear", "eval")  # a loader's mode, by index in its pipeline's seed
@@ -109,6 +110,7 @@ class DaliLoader(EpochPosition):
         self.sampler, self.batch_sampler = self, None  # Lightning calls ``sampler.set_epoch(epoch)`` every epoch
         self.equal_batches = mode != "eval"  # every rank gets as many full batches: gathers need not exchange sizes
         self.files, self.fused_crop = files, fused_crop
+        self.views = DaliViews(settings, self.mean, self.std, channels, self.eval_resize, fused_crop)
         self._stand_ins: dict[int, int] = {}  # unreadable file -> the readable one of its class read instead
         self._targets_on: dict[str, torch.Tensor] = {}  # the targets on the outputs' device, looked up by index
 
@@ -209,12 +211,11 @@ class DaliLoader(EpochPosition):
         return item_seed(self.seed, self.epoch, self.rank, DALI_MODES.index(self.mode) + 3 * start) & (2**31 - 1)
 
     def _pipeline(self, batches: List[np.ndarray], start: int = 0):
-        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali import fn, pipeline_def
 
         index = [int(i) for b in batches[start:] for i in b]
         files = [self.paths[self._stand_ins.get(i, i)] for i in index]
         gpu = self.device_id is not None
-        st = self.settings
 
         @pipeline_def(
             batch_size=self.batch_size,
@@ -232,90 +233,11 @@ class DaliLoader(EpochPosition):
             )
             if gpu:
                 label = label.gpu()
-            decode = dict(device="mixed" if gpu else "cpu", output_type=types.RGB if self.channels == 3 else types.GRAY)
-            if self.mode == "eval":
-                x = fn.resize(fn.decoders.image(encoded, **decode), resize_shorter=self.eval_resize)
-                return self._normalise(x, crop=(st.image_size, st.image_size)), label
-            # fused: each view decodes only its crop window (ROI decoding), else one decode and a crop per view
-            images = (encoded, decode) if self.fused_crop else fn.decoders.image(encoded, **decode)
-            if self.mode == "linear":
-                return self._view(images, st.image_size, (0.08, 1.0), colour=False), label
-            views = [
-                self._view(
-                    images, st.image_size, (st.min_scale, 1.0), blur=st.blur_prob[v], solarize=st.solarize_prob[v]
-                )
-                for v in range(2)
-            ]
-            local = (sum(st.blur_prob) / 2, sum(st.solarize_prob) / 2)
-            views += [
-                self._view(images, st.local_size, st.local_scale, blur=local[0], solarize=local[1])
-                for _ in range(st.local_views)
-            ]
-            return (*views, label)
+            return (*self.views.outputs(encoded, gpu, self.mode), label)
 
         pipe = pipeline()
         pipe.build()
         return pipe
-
-    def _view(
-        self,
-        images,
-        size: int,
-        scale: Tuple[float, float],
-        colour: bool = True,
-        blur: float = 0.0,
-        solarize: float = 0.0,
-    ):
-        from nvidia.dali import fn, types
-
-        st = self.settings
-        area = dict(random_area=scale, random_aspect_ratio=(3 / 4, 4 / 3))
-        if self.fused_crop:  # (encoded, decoder arguments): decode the random window only, then resize it
-            encoded, decode = images
-            x = fn.resize(fn.decoders.image_random_crop(encoded, **decode, **area), size=(size, size), antialias=True)
-        else:
-            x = fn.random_resized_crop(images, size=(size, size), **area)
-        x = fn.cast(x, dtype=types.FLOAT)
-        if colour and st.jitter_prob > 0 and any(st.jitter):
-            b, c, s, h = st.jitter
-            brightness = fn.random.uniform(range=(max(0, 1 - b), 1 + b))
-            contrast = fn.random.uniform(range=(max(0, 1 - c), 1 + c))
-            if self.channels == 3:
-                twisted = fn.color_twist(
-                    x,
-                    brightness=brightness,
-                    contrast=contrast,
-                    saturation=fn.random.uniform(range=(max(0, 1 - s), 1 + s)),
-                    hue=fn.random.uniform(range=(-360 * h, 360 * h)),
-                )
-            else:  # one channel: no colour to change, brightness and contrast only
-                twisted = fn.brightness_contrast(x, brightness=brightness, contrast=contrast, contrast_center=128.0)
-            x = _mix(x, twisted, st.jitter_prob)
-        if colour and st.gray_prob > 0 and self.channels == 3:
-            x = _mix(x, fn.hsv(x, saturation=0.0), st.gray_prob)
-        if blur > 0:
-            lo, hi = st.blur_sigma
-            sigma = fn.random.uniform(range=(lo * size / 224, hi * size / 224))
-            k = max(3, int(0.1 * size) // 2 * 2 + 1)
-            x = _mix(x, fn.gaussian_blur(x, sigma=sigma, window_size=k), blur)
-        if solarize > 0:
-            x = _mix(x, x + fn.cast(x >= 128.0, dtype=types.FLOAT) * (255.0 - 2.0 * x), solarize)
-        return self._normalise(x, mirror=fn.random.coin_flip(probability=st.hflip_prob))
-
-    def _normalise(self, x, crop=None, mirror=None):
-        from nvidia.dali import fn, types
-
-        kw = {"crop": crop} if crop is not None else {}
-        if mirror is not None:
-            kw["mirror"] = mirror
-        return fn.crop_mirror_normalize(
-            x,
-            dtype=types.FLOAT,
-            output_layout="CHW",
-            mean=[255 * m for m in self.mean],
-            std=[255 * s for s in self.std],
-            **kw,
-        )
 
     def _to_torch(self, tensor_list) -> Tensor:
         if self.device_id is None:
@@ -328,13 +250,3 @@ class DaliLoader(EpochPosition):
         # a copy on the stream the outputs are bound to (non-blocking: the host does not wait for it)
         feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream(self.device_id))
         return out
-
-
-def _mix(x, y, p: float):
-    """``y`` with probability ``p`` per sample, else ``x`` (DALI has no per-sample branch: a blend with 0/1)."""
-    from nvidia.dali import fn, types
-
-    if p >= 1:
-        return y
-    c = fn.cast(fn.random.coin_flip(probability=p), dtype=types.FLOAT)
-    return c * y + (1.0 - c) * x

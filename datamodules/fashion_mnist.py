@@ -20,7 +20,7 @@ from torch import Tensor
 
 from moco_lightning.errors import ConfigError, DataNotFoundError
 
-from .base import InMemoryDataModule
+from .in_memory import InMemoryDataModule
 from .transforms import view_settings
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
@@ -64,7 +64,7 @@ class FashionMNISTDataModule(InMemoryDataModule):
         blur_prob: probability of Gaussian blur (off by default at 28 px, as the official CIFAR demo), with
             ``blur_sigma``: its sigma range in pixels of the 28-px image.
         **kwargs: batch size, workers, seed, multi-crop, subsets: see
-            :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
+            :class:`~moco_lightning.datamodules.in_memory.InMemoryDataModule`.
     """
 
     num_classes = 10

@@ -1,32 +1,22 @@
-"""Image folders (ImageNet, Imagenette, your own photos): images decoded with PIL in DataLoader workers.
+"""Image folders (ImageNet, Imagenette, your own photos): decoded by a backend (:mod:`~.folder_backends`: PIL in
+DataLoader workers, or DALI), the files listed by :func:`~.folder_samples.folder_samples`.
 
 Layout (torchvision's ``ImageFolder``)::
 
     <data_dir>/train/<class>/*.jpg      pretraining, kNN bank, linear-probe training
     <data_dir>/val/<class>/*.jpg        validation (optional)
 
-Images may sit in nested folders below each class folder. Unlabelled pretraining: ``train/`` holding the
-images themselves (no class subfolders): targets are -1, ``num_classes`` is 0 and the evaluation loaders raise
-(there is nothing to classify). Finding, decoding (any mode, to RGB or grayscale), unreadable files and the
-seeded per-image work: :mod:`~moco_lightning.datamodules.images`.
+Images may sit in nested folders below each class folder. Unlabelled pretraining: ``train/`` holding the images
+themselves (no class subfolders): targets are -1, ``num_classes`` is 0 and the evaluation loaders raise. Decoding,
+unreadable files and the seeded per-image work: :mod:`~moco_lightning.datamodules.images`.
 
-Two ways to draw the training views (``augment_on``), same distributions:
-
-- ``"workers"``: the whole per-image lightly transform (:mod:`~.transforms` presets) in the workers;
-  batches arrive as two float views.
-- ``"device"``: the workers decode and cut the two random resized crops (torchvision's sampling and
-  PIL's antialiased resize, so the crop geometry is exactly the paper's) as uint8; flip, colour
-  jitter, grayscale, blur, solarization and normalisation run batched on the batch's device
-  (:class:`~.transforms.PerViewColour`) in ``on_after_batch_transfer``. The workers send a quarter of
-  the bytes (uint8, not float32).
-- ``"auto"`` (default): ``"device"`` when CUDA is available, else ``"workers"``.
-
-Why ``"auto"`` picks ``"workers"`` without a GPU, with the measurements: benchmarks/README.md, "Image folders:
-where the views are drawn".
-
-Both are deterministic (every image's randomness comes from ``(seed, epoch, index)``), so the views do not
-depend on ``num_workers`` and a resumed run sees the same views as an uninterrupted one. Multi-crop
-(``local_views``) works on both paths.
+Two ways to draw the training views (``augment_on``), same distributions: ``"workers"``, the whole per-image
+lightly transform (:mod:`~.transforms` presets) in the workers; ``"device"``, the workers cut the random resized
+crops (torchvision's sampling, PIL's antialiased resize) as uint8 and flip, colour jitter, grayscale, blur,
+solarization and normalisation run batched on the batch's device in ``on_after_batch_transfer`` (a quarter of the
+bytes); ``"auto"`` (default): ``"device"`` with CUDA, else ``"workers"`` (why: benchmarks/README.md, "Image folders:
+where the views are drawn"). Both are deterministic (every image's randomness comes from ``(seed, epoch, index)``):
+the views do not depend on ``num_workers`` and a resumed run sees the views of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -35,27 +25,17 @@ from pathlib import Path
 from typing import Any, Callable, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.utils.data import DataLoader
 
+from moco_lightning.constants import default_normalisation
 from moco_lightning.errors import ConfigError
 
 from .base import TwoViewDataModule
-from .images import (
-    BadImageError,
-    Deterministic,
-    EpochTaggedSampler,
-    ImageFileDataset,
-    RandomCrops,
-    SeededPIL,
-    list_classes,
-    load_image,
-    scan_image_folder,
-    spread,
-)
-from .selection import balanced_subset, check_subset_size
+from .folder_backends import BACKENDS
+from .folder_samples import folder_samples, list_classes, scan_image_folder, unlabelled_message  # noqa: F401
+from .images import BadImageError, Deterministic, ImageFileDataset, RandomCrops, SeededPIL, load_image
+from .loading import default_workers
+from .selection import check_subset_size
 from .transforms import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
     Preset,
     ViewSettings,
     eval_transform,
@@ -64,7 +44,7 @@ from .transforms import (
     view_settings,
 )
 
-__all__ = ["BadImageError", "ImageFolderDataModule", "load_image"]
+__all__ = ["BadImageError", "ImageFolderDataModule", "default_workers", "load_image"]
 
 
 # --- the datamodule ---------------------------------------------------------------------------------
@@ -75,7 +55,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         data_dir: folder holding ``train_dir`` and ``val_dir``.
         train_dir, val_dir: their names inside ``data_dir``. ``val_dir=None`` or a missing folder: no
             validation (``val_dataloader`` is empty, ``eval_val_dataloader`` raises).
-        batch_size, seed, pretrain: see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
+        batch_size, seed, pretrain: see :class:`~moco_lightning.datamodules.in_memory.InMemoryDataModule`.
         train_subset, val_subset: N files evenly spaced over the sorted list (so every class is kept).
         image_size: side of the views and of the evaluation centre crop.
         num_workers: decoding processes (0: in the main process; None: the CPUs this process may use less one for
@@ -137,21 +117,13 @@ class ImageFolderDataModule(TwoViewDataModule):
             raise ConfigError(f"in_channels must be 1 (grayscale) or 3 (RGB), got {in_channels}")
         if augment_on not in ("auto", "device", "workers"):
             raise ConfigError(f"augment_on must be 'auto', 'device' or 'workers', got {augment_on!r}")
-        if backend not in ("pil", "dali"):
-            raise ConfigError(f"backend must be 'pil' or 'dali', got {backend!r}")
-        if dali_fused_crop and backend != "dali":
-            raise ConfigError("dali_fused_crop=true needs backend='dali' (the PIL path crops after one decode)")
-        if backend == "dali":
-            from .dali import require_dali
-
-            require_dali()
-            augment_on = "workers"  # DALI makes the views itself: nothing left for on_after_batch_transfer
-        if augment_on == "auto":  # batched colour ops pay off on a GPU; on CPUs the workers share them out
-            augment_on = "device" if torch.cuda.is_available() else "workers"
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        self.loading = BACKENDS[backend]  # how the files become batches: PIL workers or DALI pipelines
+        augment_on = self.loading.augment_on(augment_on, dali_fused_crop)
         self.in_channels = in_channels
-        gray_mean, gray_std = (0.449,), (0.226,)
-        self.mean = tuple(mean) if mean is not None else (IMAGENET_MEAN if in_channels == 3 else gray_mean)
-        self.std = tuple(std) if std is not None else (IMAGENET_STD if in_channels == 3 else gray_std)
+        self.mean = tuple(mean) if mean is not None else default_normalisation(in_channels)[0]
+        self.std = tuple(std) if std is not None else default_normalisation(in_channels)[1]
         if len(self.mean) != in_channels or len(self.std) != in_channels:
             raise ConfigError(
                 f"mean and std need {in_channels} values (in_channels={in_channels}), got {self.mean} and {self.std}"
@@ -250,26 +222,12 @@ class ImageFolderDataModule(TwoViewDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if "train" in self._splits:
             return
-        train, classes = scan_image_folder(self.train_root)
-        self._classes = classes
-        if not classes and not self.pretrain:
-            raise ConfigError(self._unlabelled_message("linear evaluation (pretrain=False)"))
-        val: List[Tuple[str, int]] = []
-        if self.val_root is not None:
-            val, val_classes = scan_image_folder(self.val_root, classes if classes else None)
-            if classes and not val_classes:
-                raise ConfigError(
-                    f"{self.val_root} holds images without class folders while {self.train_root} has classes: put the "
-                    f"validation images in class folders ({self.val_root}/<class>/*.jpg; for ImageNet's flat val "
-                    "folder "
-                    "use the usual valprep.sh), or set val_dir=null"
-                )
-            if not classes:  # unlabelled pretraining: val labels mean nothing to it
-                val = [(p, -1) for p, _ in val]
-        if self.holdout is not None:
-            train, val = self._held_out(train)
-        train, val = spread(train, self.train_subset), spread(val, self.val_subset)
-        pretrain_on = train + self._unlabelled() if self.pretrain else train
+        root = Path(self.data_dir).expanduser()
+        train, val, pretrain_on, self._classes = folder_samples(
+            self.train_root, self.val_root, pretrain=self.pretrain, holdout=self.holdout, seed=self.seed,
+            train_subset=self.train_subset, val_subset=self.val_subset,
+            unlabelled_roots=[root / folder for folder in self.unlabelled_dirs],  # an absolute folder stays itself
+        )  # fmt: skip
         self._splits["train"] = self._dataset(pretrain_on, self._train_make(), stream=0)
         if val:
             self._splits["val"] = self._dataset(val, self._train_make(), stream=1)
@@ -282,39 +240,6 @@ class ImageFolderDataModule(TwoViewDataModule):
                 f"batch_size={self.batch_size} is larger than the {len(pretrain_on)} training images in "
                 f"{self.train_root} (pretraining drops the last partial batch): lower batch_size or add images"
             )
-
-    def _held_out(self, train: List[Tuple[str, int]]) -> Tuple[List[Tuple[str, int]], List[Tuple[str, int]]]:
-        """``(training, held-out)`` images: ``holdout`` of the labelled training images, the same share of each
-        class, drawn with ``seed``."""
-        targets = torch.tensor([t for _, t in train])
-        if not len(targets) or (targets < 0).any():
-            raise ConfigError(f"holdout={self.holdout}: {self.train_root} has no class folders to hold images out of")
-        share = self.holdout if self.holdout < 1 else self.holdout / len(targets)
-        held = set(balanced_subset(targets, fraction=min(share, 1.0), seed=self.seed).tolist())
-        kept = {t for i, (_, t) in enumerate(train) if i not in held}
-        if kept != set(targets.tolist()):
-            emptied = self.classes[min(set(targets.tolist()) - kept)]
-            raise ConfigError(f"holdout={self.holdout} leaves class {emptied!r} without training images: hold out "
-                              "fewer")  # fmt: skip
-        return [s for i, s in enumerate(train) if i not in held], [s for i, s in enumerate(train) if i in held]
-
-    def _unlabelled(self) -> List[Tuple[str, int]]:
-        """The images of ``unlabelled_dirs`` (target -1, whatever folders they sit in)."""
-        found: List[Tuple[str, int]] = []
-        for folder in self.unlabelled_dirs:
-            root = Path(self.data_dir).expanduser() / folder  # an absolute folder stays itself
-            if not root.is_dir():
-                raise ConfigError(f"unlabelled_dirs: {root} is not a folder; give folders of images")
-            found += [(p, -1) for p, _ in scan_image_folder(root)[0]]
-        return found
-
-    def _unlabelled_message(self, what: str) -> str:
-        return (
-            f"{self.train_root} holds images without class folders (unlabelled, num_classes=0): {what} needs labels. "
-            f"Put the images in class folders ({self.train_root}/<class>/*.jpg), or drop the kNN / linear-probe "
-            "callbacks "
-            "for unlabelled pretraining."
-        )
 
     # --- label subsets (evaluate's label budgets, LinearClassifier's label_fraction) -------------
     def train_targets(self) -> torch.Tensor:
@@ -334,86 +259,34 @@ class ImageFolderDataModule(TwoViewDataModule):
             samples, self._eval_make(), stream=2, same_files=self._splits["train"]
         )
 
-    # --- loaders -------------------------------------------------------------------------------
-    def train_dataloader(self) -> DataLoader:
-        ds = self._splits["train"]
-        if self.backend == "dali":
-            return self._dali(ds, "pretrain" if self.pretrain else "linear")
-        return self._loader(ds, sampler=EpochTaggedSampler(len(ds), self.seed), drop_last=True)
+    # --- loaders (the backend's) --------------------------------------------------------------
+    def train_dataloader(self) -> Any:
+        return self.loading.loader(self, self._splits["train"], "train")
 
-    def val_dataloader(self) -> Union[DataLoader, List]:
+    def val_dataloader(self) -> Union[Any, List]:
         if not self.pretrain:
             return self.eval_val_dataloader()
         if "val" not in self._splits:
             return []  # no val folder: no validation
-        if self.backend == "dali":
-            return self._dali(self._splits["val"], "pretrain", shuffle=False)
-        return self._loader(self._splits["val"])
+        return self.loading.loader(self, self._splits["val"], "val")
 
-    def eval_train_dataloader(self) -> DataLoader:
+    def eval_train_dataloader(self) -> Any:
         if not self.labelled:
-            raise ConfigError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
-        if self.backend == "dali":
-            return self._dali(self._eval_splits["train"], "eval")
-        return self._loader(self._eval_splits["train"], persistent=False)
+            raise ConfigError(unlabelled_message(self.train_root, "the evaluation loaders (kNN bank, linear probe)"))
+        return self.loading.loader(self, self._eval_splits["train"], "eval")
 
-    def eval_val_dataloader(self) -> DataLoader:
+    def eval_val_dataloader(self) -> Any:
         if not self.labelled:
-            raise ConfigError(self._unlabelled_message("the evaluation loaders (kNN bank, linear probe)"))
+            raise ConfigError(unlabelled_message(self.train_root, "the evaluation loaders (kNN bank, linear probe)"))
         if "val" not in self._eval_splits:
-            where = (
-                "val_dir=None"
-                if self.val_dir is None
-                else f"{Path(self.data_dir).expanduser() / self.val_dir} does not exist"
-            )
+            missing = f"{Path(self.data_dir).expanduser() / str(self.val_dir)} does not exist"
+            where = "val_dir=None" if self.val_dir is None else missing
             raise ConfigError(
                 f"no validation images ({where}): put them in <data_dir>/{self.val_dir or 'val'}/<class>/*.jpg"
             )
-        if self.backend == "dali":
-            return self._dali(self._eval_splits["val"], "eval")
-        return self._loader(self._eval_splits["val"], persistent=False)
+        return self.loading.loader(self, self._eval_splits["val"], "eval")
 
     def dali_train_loader(self, device: torch.device) -> Any:
         """The pretraining loader of ``backend="dali"`` with its pipeline on ``device`` (after ``setup``; without a
         trainer the loader would run a CPU pipeline): what a benchmark times outside a fit."""
-        return self._dali(self._splits["train"], "pretrain", device=device)
-
-    def _dali(self, ds: ImageFileDataset, mode: str, shuffle: bool = True, device: Optional[torch.device] = None):
-        """A DALI loader over the files of ``ds``, sharded over the trainer's ranks, on its device (``device``: this
-        one instead; without a trainer or a device, a CPU pipeline)."""
-        from .dali import DaliLoader
-
-        trainer = self.trainer
-        if device is None:
-            device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return DaliLoader(
-            ds.paths,
-            ds.targets.tolist(),
-            mode,
-            self.view_settings,
-            self.mean,
-            self.std,
-            self.batch_size,
-            self.seed,
-            rank,
-            world,
-            device.index if device.type == "cuda" else None,
-            max(1, self.num_workers),
-            self.eval_resize,
-            self.in_channels,
-            shuffle,
-            ds,
-            self.dali_fused_crop,
-        )
-
-
-def default_workers() -> int:
-    """Decoding processes for this machine: the CPUs this process may use, less one for the training loop (at least
-    1, at most 16)."""
-    import os
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(16, max(1, cpus - 1))
+        return BACKENDS["dali"].loader(self, self._splits["train"], "train", device=device)

@@ -1,8 +1,6 @@
-"""Image files for the image-folder datamodules: finding them, decoding any of them, unreadable files, and the
-seeded per-image work done in DataLoader workers.
+"""Image files for the image-folder datamodules: decoding any of them, unreadable files, and the seeded per-image
+work done in DataLoader workers (finding them: :mod:`~.folder_samples`).
 
-- Layout (torchvision's ``ImageFolder``): ``<root>/<class>/**/*.jpg``; a folder of images without class folders
-  is unlabelled (targets -1). Extensions: .jpg .jpeg .png .ppm .bmp .pgm .tif .tiff .webp, any case.
 - Every image becomes RGB (``channels=3``) or grayscale (``channels=1``) whatever its mode: grayscale is
   replicated, palette images are expanded, images with transparency are composited over white, 16-bit images are
   scaled to 8 bits (not clipped), CMYK is converted.
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -26,82 +23,11 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from moco_lightning.errors import BadInputError, ConfigError, DataNotFoundError
+from moco_lightning.errors import BadInputError
 
-from .base import SeededRandomSampler
-from .transforms import random_resized_crop_box
-
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-# --- finding the images -------------------------------------------------------------------------
-def _is_image(name: str) -> bool:
-    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
-
-
-def _images_below(folder: Path) -> List[str]:
-    found = []
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(os.path.join(root, f) for f in sorted(files) if _is_image(f))
-    return found
-
-
-def list_classes(root: Path) -> List[str]:
-    """Class folder names of an image folder (sorted); [] for an unlabelled folder."""
-    if not root.is_dir():
-        raise DataNotFoundError(_layout_message(root, "does not exist or is not a folder"))
-    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-
-
-def scan_image_folder(
-    root: Path, classes: Optional[Sequence[str]] = None, allow_empty: bool = False
-) -> Tuple[List[Tuple[str, int]], List[str]]:
-    """Returns ``(samples [(path, target)], classes)``.
-
-    Class subfolders give the targets (in sorted order, or the order of ``classes`` when given, so a
-    val folder uses the train folder's indices); a folder with images and no subfolders is unlabelled
-    (targets -1, classes []). An empty class folder is refused (a class without images would still count among the
-    classes a classifier is trained on), unless ``allow_empty`` (embedding: it just has no rows).
-    """
-    subdirs = list_classes(root)
-    top_images = sorted(e.name for e in os.scandir(root) if e.is_file() and _is_image(e.name))
-    if not subdirs:
-        if not top_images:
-            raise ConfigError(_layout_message(root, "holds no images (extensions: " + " ".join(IMG_EXTENSIONS) + ")"))
-        return [(os.path.join(root, f), -1) for f in top_images], []
-    if top_images:
-        raise ConfigError(
-            f"{root} holds both image files ({top_images[0]}, ...) and class folders ({subdirs[0]}, ...): put every "
-            f"image in a class folder ({root}/<class>/*.jpg), or, for unlabelled pretraining, no folders at all"
-        )
-    if classes is None:
-        classes = subdirs
-    index = {c: i for i, c in enumerate(classes)}
-    unknown = [d for d in subdirs if d not in index]
-    if unknown:
-        raise ConfigError(
-            f"{root} has class folders the training folder lacks: {unknown[:5]}; the two must use the same class names"
-        )
-    samples: List[Tuple[str, int]] = []
-    for name in subdirs:
-        files = _images_below(root / name)
-        if not files and not allow_empty:
-            raise ConfigError(
-                f"class folder {root / name} holds no images (extensions: {' '.join(IMG_EXTENSIONS)}): remove it "
-                "or add "
-                "its images, since an empty class would still count in num_classes"
-            )
-        samples.extend((f, index[name]) for f in files)
-    return samples, list(classes)
-
-
-def _layout_message(root: Path, problem: str) -> str:
-    return (
-        f"image folder {root} {problem}. Expected layout: <data_dir>/train/<class>/*.jpg and (optional) "
-        "<data_dir>/val/<class>/*.jpg, as torchvision's ImageFolder (ImageNet: reorganise val with the usual "
-        "valprep.sh; Imagenette: extract imagenette2-320.tgz); or <data_dir>/train/*.jpg for unlabelled pretraining."
-    )
+from .device_views import random_resized_crop_box
+from .folder_samples import IMG_EXTENSIONS, list_classes, scan_image_folder, spread  # noqa: F401
+from .loading import SeededRandomSampler
 
 
 # --- reading one image ------------------------------------------------------------------------------
@@ -358,10 +284,3 @@ class ImageFileDataset(Dataset):
     @property
     def bad_images(self) -> List[str]:
         return [self.paths[int(j)] for j in self.bad.nonzero().flatten()]
-
-
-def spread(samples: List[Tuple[str, int]], n: Optional[int]) -> List[Tuple[str, int]]:
-    """``n`` evenly spaced samples of the sorted list, so a subset covers every class; all when ``n`` is None."""
-    if n is None or n >= len(samples):
-        return samples
-    return [samples[int(i)] for i in np.linspace(0, len(samples) - 1, n)]

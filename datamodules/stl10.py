@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader
 
 from moco_lightning.errors import ConfigError, DataNotFoundError
 
-from .base import ImageTensorDataset, InMemoryDataModule, SeededRandomSampler
+from .in_memory import ImageTensorDataset, InMemoryDataModule
+from .loading import SeededRandomSampler
 from .transforms import Preset, view_settings
 
 IMAGE_BYTES = 3 * 96 * 96
@@ -84,7 +85,7 @@ class STL10DataModule(InMemoryDataModule):
         preset, min_scale, jitter_strength, blur: view augmentation, see
             :class:`~moco_lightning.datamodules.cifar.CIFAR10DataModule` (at 96 px the preset's blur is on).
         **kwargs: batch size, workers, seed, pretrain, multi-crop, ``train_subset`` / ``val_subset`` (the first N
-            labelled-train / test images): see :class:`~moco_lightning.datamodules.base.InMemoryDataModule`.
+            labelled-train / test images): see :class:`~moco_lightning.datamodules.in_memory.InMemoryDataModule`.
     """
 
     num_classes = 10

@@ -43,25 +43,21 @@ the tensor path the fixed order documented in :mod:`~moco_lightning.datamodules.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple
 
-import torch
-from torch import Tensor, nn
-
+from moco_lightning.constants import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD  # noqa: F401
 from moco_lightning.errors import ConfigError
 
 from .batch_views import BatchViews
+from .device_views import PerViewColour, random_resized_crop_box  # noqa: F401
+from .pil_transforms import eval_transform, linear_eval_train_transform  # noqa: F401
 
 Preset = Literal["moco_v1", "moco_v2", "moco_v3"]
 PRESETS: Tuple[str, ...] = ("moco_v1", "moco_v2", "moco_v3")
 
 #: At or below this side (pixels) blur is off by default: CIFAR (32) and Fashion-MNIST (28).
 SMALL_IMAGE_SIZE = 32
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(frozen=True)
@@ -140,52 +136,9 @@ class ViewSettings:
     # --- the PIL path ---------------------------------------------------------------------
     def pil_views(self, mean: Sequence[float], std: Sequence[float]) -> Callable:
         """A lightly transform: PIL image -> list of two normalised tensors (C, size, size)."""
-        self.tensor_path_only("the PIL path")
-        from lightly.transforms import BYOLView1Transform, BYOLView2Transform, MoCoV1Transform, MoCoV2Transform
-        from lightly.transforms.multi_view_transform import MultiViewTransform
+        from .pil_transforms import lightly_views
 
-        b, c, s, h = self.jitter
-        common = dict(
-            input_size=self.image_size,
-            cj_prob=self.jitter_prob,
-            cj_strength=1.0,
-            cj_bright=b,
-            cj_contrast=c,
-            cj_sat=s,
-            cj_hue=h,
-            min_scale=self.min_scale,
-            random_gray_scale=self.gray_prob,
-            sigmas=self.sigma_pixels,
-            hf_prob=self.hflip_prob,
-            normalize={"mean": list(mean), "std": list(std)},
-        )
-        b1, b2 = self.blur_prob
-        s1, s2 = self.solarize_prob
-        if b1 == b2 and s1 == s2 == 0 and not self.local_views:  # symmetric views: lightly's MoCo transforms
-            cls = MoCoV1Transform if self.preset == "moco_v1" else MoCoV2Transform
-            return cls(gaussian_blur=b1, **common)
-        views = [
-            BYOLView1Transform(gaussian_blur=b1, solarization_prob=s1, **common),
-            BYOLView2Transform(gaussian_blur=b2, solarization_prob=s2, **common),
-        ]
-        if self.local_views:  # the small views: the same colour, their own crop (lightly's RandomResizedCrop scale)
-            from torchvision import transforms as T
-
-            local = BYOLView1Transform(
-                gaussian_blur=(b1 + b2) / 2,
-                solarization_prob=(s1 + s2) / 2,
-                **{
-                    **common,
-                    "input_size": self.local_size,
-                    "min_scale": self.local_scale[0],
-                    "sigmas": tuple(v * self.local_size / self.image_size for v in self.sigma_pixels),
-                },
-            )
-            for i, t in enumerate(local.transform.transforms):
-                if isinstance(t, T.RandomResizedCrop):
-                    local.transform.transforms[i] = T.RandomResizedCrop(self.local_size, scale=self.local_scale)
-            views += [local] * self.local_views
-        return MultiViewTransform(views)
+        return lightly_views(self, mean, std)
 
 
 def view_settings(
@@ -294,112 +247,3 @@ def linear_eval_views(
         std=tuple(std),
         n_views=1,
     )
-
-
-# --- evaluation transforms (PIL path) ----------------------------------------------------------
-def eval_transform(
-    image_size: int, mean: Sequence[float], std: Sequence[float], resize: Optional[int] = None
-) -> Callable:
-    """No augmentation: resize the shorter side to ``resize`` (default ``image_size / 0.875``, 256 for
-    224), centre-crop ``image_size``, normalise."""
-    from torchvision import transforms as T
-
-    resize = resize if resize is not None else int(round(image_size / 0.875))
-    return T.Compose([T.Resize(resize), T.CenterCrop(image_size), T.ToTensor(), T.Normalize(mean, std)])
-
-
-def linear_eval_train_transform(image_size: int, mean: Sequence[float], std: Sequence[float]) -> Callable:
-    """The linear-evaluation protocol's training augmentation: random resized crop 0.08-1 and flip."""
-    from torchvision import transforms as T
-
-    return T.Compose(
-        [
-            T.RandomResizedCrop(image_size, scale=(0.08, 1.0)),
-            T.RandomHorizontalFlip(),
-            T.ToTensor(),
-            T.Normalize(mean, std),
-        ]
-    )
-
-
-# --- geometric part alone, with an explicit generator (the image-folder "device" path) --------
-def random_resized_crop_box(
-    width: int,
-    height: int,
-    scale: Tuple[float, float],
-    generator: torch.Generator,
-    ratio: Tuple[float, float] = (3 / 4, 4 / 3),
-) -> Tuple[int, int, int, int]:
-    """torchvision's ``RandomResizedCrop.get_params`` drawn from ``generator``: (left, top, w, h)."""
-    area = height * width
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        u = torch.rand(4, generator=generator).tolist()
-        target_area = area * (scale[0] + (scale[1] - scale[0]) * u[0])
-        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * u[1])
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return int(u[2] * (width - w + 1)), int(u[3] * (height - h + 1)), w, h
-    # fallback: the central crop at the nearest allowed aspect ratio
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        w, h = int(round(height * ratio[1])), height
-    else:
-        w, h = width, height
-    return (width - w) // 2, (height - h) // 2, w, h
-
-
-class PerViewColour(nn.Module):
-    """Flip + colour part of a preset, per view, on views cropped beforehand.
-
-    Input: uint8 (N, V, C, H, W), V views of each image already cropped to the output size, or the tuple
-    ``(global views (N, V, C, H, W), local views (N, M, C, h, w))`` (multi-crop). Output: a list of V (+ M)
-    normalised float views. Each view gets its own :class:`BatchViews` with the crop fixed to the whole image
-    (``min_scale = max_scale = 1``: no resample, the flip alone) and the view's own blur / solarization
-    probability; the local views the mean of the two.
-    """
-
-    def __init__(self, settings: ViewSettings, mean: Sequence[float], std: Sequence[float]) -> None:
-        super().__init__()
-        settings.tensor_path_only("the image folder's worker crops")
-
-        def colour(size: int, blur: float, solarize: float) -> BatchViews:
-            return BatchViews(
-                size,
-                min_scale=1.0,
-                max_scale=1.0,
-                hflip_prob=settings.hflip_prob,
-                jitter_prob=settings.jitter_prob,
-                jitter=settings.jitter,
-                gray_prob=settings.gray_prob,
-                blur_prob=(blur,),
-                blur_sigma=settings.blur_sigma,
-                solarize_prob=(solarize,),
-                mean=tuple(mean),
-                std=tuple(std),
-                n_views=1,
-            )
-
-        self.per_view = nn.ModuleList(
-            colour(settings.image_size, settings.blur_prob[v], settings.solarize_prob[v]) for v in range(2)
-        )
-        self.local = (
-            colour(settings.local_size, sum(settings.blur_prob) / 2, sum(settings.solarize_prob) / 2)
-            if settings.local_views
-            else None
-        )
-
-    @torch.no_grad()
-    def forward(self, images, generator: Optional[torch.Generator] = None) -> List[Tensor]:
-        images, local = images if isinstance(images, (list, tuple)) else (images, None)
-        if images.ndim != 5 or images.shape[1] != len(self.per_view):
-            raise ConfigError(
-                f"expected pre-cropped views (N, {len(self.per_view)}, C, H, W), got {tuple(images.shape)}"
-            )
-        views = [bv(images[:, v], generator)[0] for v, bv in enumerate(self.per_view)]
-        if local is not None and self.local is not None:
-            views += [self.local(local[:, j], generator)[0] for j in range(local.shape[1])]
-        return views

@@ -15,7 +15,7 @@ FOLDERS = {"moco_lightning": ROOT / "moco_lightning", "moco_lightning.datamodule
            "moco_lightning.callbacks": ROOT / "callbacks"}  # fmt: skip
 #: the layers, lowest first: a module may import its own layer and the ones below it, never one above
 LAYERS = [
-    ("moco_lightning.errors", "moco_lightning._lightning", "moco_lightning.version"),
+    ("moco_lightning.errors", "moco_lightning._lightning", "moco_lightning.version", "moco_lightning.constants"),
     ("moco_lightning.modules",),
     ("moco_lightning.training",),
     ("moco_lightning.methods",),

@@ -47,11 +47,12 @@ def embed_folder(
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
+    from moco_lightning.constants import default_normalisation
     from moco_lightning.datamodules.image_folder import default_workers
     from moco_lightning.datamodules.images import Deterministic, ImageFileDataset, scan_image_folder
     from moco_lightning.datamodules.transforms import eval_transform
     from moco_lightning.downstream import pictures
-    from moco_lightning.downstream.encoder import IMAGENET_MEAN, IMAGENET_STD, encoder_from, encoder_of, transform_of
+    from moco_lightning.downstream.encoder import encoder_from, encoder_of, transform_of
     from moco_lightning.downstream.features import embed
 
     if not Path(data).is_dir():
@@ -65,8 +66,7 @@ def embed_folder(
     if mean is None and std is None and resize is None:
         transform = transform_of(state, architecture, ckpt)
     else:
-        mean = tuple(mean or (IMAGENET_MEAN if channels == 3 else (0.449,) * channels))
-        std = tuple(std or (IMAGENET_STD if channels == 3 else (0.226,) * channels))
+        mean, std = tuple(mean or default_normalisation(channels)[0]), tuple(std or default_normalisation(channels)[1])
         transform = eval_transform(size, mean, std, resize)
     samples, classes = scan_image_folder(Path(data), allow_empty=True)  # an empty class folder: no rows
     images = ImageFileDataset(samples, Deterministic(transform), channels, 0, 0, skip_bad_images)

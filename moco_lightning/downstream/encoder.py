@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torchvision.transforms import Compose
 
+from moco_lightning.constants import IMAGENET_MEAN, IMAGENET_STD, default_normalisation  # noqa: F401
 from moco_lightning.errors import ConfigError
 from moco_lightning.modules.backbones import build_backbone, is_backbone_spec
 from moco_lightning.training.checkpoint_io import read_checkpoint
@@ -28,7 +29,6 @@ ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", 
 ARCHITECTURE_KEY = "moco_lightning"  # the key of the architecture in an export's _metadata
 ENCODER_KEY = "encoder"  # a LinearClassifier checkpoint's record of its backbone: architecture, evaluation transform
 TRANSFORM_KEY = "moco_lightning_transform"  # and of the evaluation transform (mean, std, size, channels, resize)
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def architecture_of(hparams: dict) -> Optional[dict]:
@@ -184,10 +184,9 @@ def transform_of(state: Any, architecture: dict, source: Any) -> Callable:
             stacklevel=3,
         )
         channels = architecture.get("in_channels", 3)
-        recorded = dict(
-            image_size=architecture.get("image_size", 224), in_channels=channels, resize=None,
-            mean=IMAGENET_MEAN if channels == 3 else (0.449,), std=IMAGENET_STD if channels == 3 else (0.226,),
-        )  # fmt: skip
+        mean, std = default_normalisation(channels)
+        recorded = dict(image_size=architecture.get("image_size", 224), in_channels=channels, resize=None, mean=mean,
+                        std=std)  # fmt: skip
     size, channels = recorded["image_size"], recorded["in_channels"]
     steps = eval_transform(size, recorded["mean"], recorded["std"], recorded.get("resize"))
     return Compose([partial(to_mode, channels=channels), steps])
