@@ -349,12 +349,8 @@ def write_results(out: Path, results: dict, args, title: str) -> None:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=["val", "test"], default="test", help="val: select on the last 10k train images")
-    p.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        help="a CLI override for every config (repeatable): --override=--model.stem=cifar",
-    )
+    p.add_argument("--override", action="append", default=[],
+                   help="a CLI override for every config (repeatable): --override=--model.stem=cifar")  # fmt: skip
     p.add_argument("--curve-points", type=int, default=5)
     p.add_argument("--curve-bank", type=int, default=10000)
     p.add_argument("--curve-queries", type=int, default=2000)
@@ -362,9 +358,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-epochs", type=int, default=20)
     p.add_argument("--timing-warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--timing-steps", type=int, default=8, help="timed steps of a speed measurement")
-    p.add_argument(
-        "--replan-at", type=float, default=0.1, help="re-plan the steps once, after this fraction (0: never)"
-    )
+    p.add_argument("--replan-at", type=float, default=0.1,
+                   help="re-plan the steps once, after this fraction (0: never)")  # fmt: skip
 
 
 def main(argv=None) -> None:
