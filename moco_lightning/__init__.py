@@ -1,7 +1,7 @@
 """moco-lightning: MoCo v1/v2/v3 self-supervised pretraining for PyTorch Lightning, with SimCLR, BYOL and SwAV
 beside it for comparison."""
 
-from moco_lightning.downstream.encoder import load_transform
+from moco_lightning.downstream.encoder import Encoder, load_transform
 from moco_lightning.downstream.export import load_backbone
 from moco_lightning.methods.base import Pretraining
 from moco_lightning.methods.byol import BYOL
@@ -19,6 +19,7 @@ install_moved_modules()  # the flat layout's module names (moco_lightning.moco, 
 
 __all__ = [
     "BYOL",
+    "Encoder",
     "EndToEnd",
     "MemoryBankMoCo",
     "MoCo",

@@ -8,7 +8,8 @@ import torch
 from helpers.data import FIXTURE_CKPT
 from helpers.models import tiny_backbone
 
-from moco_lightning.downstream.encoder import choose_encoder, load_encoder, load_weights
+from moco_lightning.downstream.encoder import load_encoder
+from moco_lightning.downstream.encoder_choice import choose_encoder, load_weights
 from moco_lightning.downstream.export import export_backbone
 from moco_lightning.errors import ConfigError
 

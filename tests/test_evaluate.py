@@ -53,11 +53,17 @@ def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"moco-lightning evaluate: error: --ckpt {tmp_path / 'x.ckpt'}")
 
 
-def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys):
+def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys, monkeypatch):
     """--fast shrinks the data; --fractions and --steps given beside it are honoured, not dropped; bad ones are one
-    line."""
+    line. The checkpoint is read once for the features and the four classifiers (two budgets, fine-tuned and from
+    scratch)."""
+    import torch
+
+    reads, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: reads.append(str(f)) or load(f, *a, **k))
     main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--fractions", "0.02", "0.1", "--steps", "3", "--out",
           str(tmp_path)])  # fmt: skip
+    assert reads.count(str(FIXTURE_CKPT)) == 1, reads
     result = json.loads((tmp_path / "evaluate.json").read_text())
     assert list(result["fractions"]) == ["0.02", "0.1"] and result["train_images"] == 2000
     assert [r["steps"] for r in result["fractions"].values()] == [3, 3]
@@ -122,7 +128,7 @@ def test_curve_measures_the_six_fractions_and_draws_them(tmp_path, monkeypatch, 
         seen["fractions"] = fractions
         rows = {f"{f:g}": dict(labels=round(f * 2000), share=f, linear=0.5 + f / 4, fine_tuned=0.7 + f / 5,
                                from_scratch=0.6 + f / 4) for f in fractions}  # fmt: skip
-        return {"ckpt": ckpt, "train_images": 2000, "eval_images": 500, "classes": 10, "seconds": 1.0,
+        return {"ckpt": ckpt.source, "train_images": 2000, "eval_images": 500, "classes": 10, "seconds": 1.0,
                 "rows": {"linear, all labels": {"encoder": 0.75}}, "fractions": rows,
                 "labels_to_match": measure.labels_to_match(rows)}  # fmt: skip
 

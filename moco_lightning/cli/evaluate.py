@@ -1,6 +1,6 @@
 """``moco-lightning evaluate``: the command over :func:`moco_lightning.downstream.evaluate.evaluate` (its module
-docstring is
-the command's help)."""
+docstring is the command's help). The checkpoint is read once, into an
+:class:`~moco_lightning.downstream.encoder.Encoder` that the datamodule's settings and every measurement use."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from moco_lightning.datamodules import BadImageError
 from moco_lightning.downstream import evaluate as measure
 from moco_lightning.downstream.embed import check_out_folder
+from moco_lightning.downstream.encoder import Encoder, read_encoder
 from moco_lightning.downstream.evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate, markdown, plot, run_name
 from moco_lightning.errors import ConfigError
 from moco_lightning.training.compat import constructor_arguments
@@ -20,15 +21,12 @@ from moco_lightning.training.compat import constructor_arguments
 FOLDER_HOLDOUT = 0.2  # the share of an image folder's training images held out where it has no evaluation split
 
 
-def folder_settings(ckpt: str) -> dict:
-    """An image folder's settings for the encoder of ``ckpt``: the size, channels, mean, std and resize it was
-    pretrained with (its recorded evaluation transform; without one, the architecture's size and channels)."""
-    from moco_lightning.downstream.encoder import encoder_of, transform_in
-
-    state, architecture = encoder_of(ckpt, arg="--ckpt")
-    recorded = transform_in(state)
+def folder_settings(encoder: Encoder) -> dict:
+    """An image folder's settings for ``encoder``: the size, channels, mean, std and resize it was pretrained with
+    (its recorded evaluation transform; without one, the architecture's size and channels)."""
+    recorded = encoder.recorded_transform
     if recorded is None:
-        return {k: architecture[k] for k in ("image_size", "in_channels") if k in architecture}
+        return {k: encoder.architecture[k] for k in ("image_size", "in_channels") if k in encoder.architecture}
     return dict(image_size=recorded["image_size"], in_channels=recorded["in_channels"], mean=recorded["mean"],
                 std=recorded["std"], eval_resize=recorded.get("resize"))  # fmt: skip
 
@@ -38,12 +36,12 @@ def datamodule_of(
     split: str,
     fast: bool,
     data_dir: Optional[str] = None,
-    ckpt: Optional[str] = None,
+    ckpt: Union[str, Encoder, None] = None,
     skip_bad_images: bool = False,
     holdout: Optional[float] = None,
 ) -> Any:
     """The evaluation datamodule: the ``data:`` section of ``config`` (any datamodule class path), an image folder
-    ``data_dir`` (``train/`` and ``val/`` of class folders, read as the encoder of ``ckpt`` was pretrained:
+    ``data_dir`` (``train/`` and ``val/`` of class folders, read as the encoder ``ckpt`` was pretrained:
     :func:`folder_settings`), or Fashion-MNIST; with the evaluation views, ``holdout`` for ``split="val"``, the
     first 2000 / 500 images for ``fast``, and ``skip_bad_images`` where the datamodule reads files."""
     import importlib
@@ -57,7 +55,7 @@ def datamodule_of(
     if config and data_dir:
         raise ConfigError("give --config (its data: section) or --data_dir (an image folder), not both")
     if data_dir:
-        settings = folder_settings(ckpt) if ckpt else {}
+        settings = folder_settings(read_encoder(ckpt, "--ckpt")) if ckpt else {}
         data = {"class_path": "moco_lightning.datamodules.ImageFolderDataModule",
                 "init_args": {"data_dir": data_dir, **settings}}  # fmt: skip
     if config:
@@ -190,10 +188,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out = Path(args.out or Path("runs") / "evaluate" / run_name(args.ckpt))
     try:
         check_out_folder(out)  # before the work, not after it
-        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, args.ckpt, args.skip_bad_images,
+        encoder = Encoder.read(args.ckpt, arg="--ckpt")  # the file read once, for the data and every measurement
+        dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, encoder, args.skip_bad_images,
                            args.holdout)  # fmt: skip
         check_label_budgets(dm, len(fractions) + len(args.per_class))
-        result = evaluate(args.ckpt, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
+        result = evaluate(encoder, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning evaluate: error: {e}\n")
     except BadImageError as e:

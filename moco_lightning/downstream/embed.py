@@ -52,7 +52,7 @@ def embed_folder(
     from moco_lightning.datamodules.images import Deterministic, ImageFileDataset, scan_image_folder
     from moco_lightning.datamodules.transforms import eval_transform
     from moco_lightning.downstream import pictures
-    from moco_lightning.downstream.encoder import encoder_from, encoder_of, transform_of
+    from moco_lightning.downstream.encoder import Encoder
     from moco_lightning.downstream.features import embed
 
     if not Path(data).is_dir():
@@ -60,11 +60,11 @@ def embed_folder(
     check_out_folder(out)
     if neighbours is not None and neighbours < 1:
         raise ConfigError(f"--neighbours {neighbours}: give the number of neighbours to show, 1 or more")
-    state, architecture = encoder_of(ckpt, arg="--ckpt")  # the file read once
-    backbone = encoder_from(state, architecture)[0]
-    channels, size = architecture.get("in_channels", 3), architecture.get("image_size", 224)
+    encoder = Encoder.read(ckpt, arg="--ckpt")  # the file read once
+    backbone = encoder.build()[0]
+    channels, size = encoder.architecture.get("in_channels", 3), encoder.architecture.get("image_size", 224)
     if mean is None and std is None and resize is None:
-        transform = transform_of(state, architecture, ckpt)
+        transform = encoder.transform()
     else:
         mean, std = tuple(mean or default_normalisation(channels)[0]), tuple(std or default_normalisation(channels)[1])
         transform = eval_transform(size, mean, std, resize)

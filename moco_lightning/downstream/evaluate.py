@@ -33,13 +33,16 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moco_lightning.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moco_lightning.downstream.encoder import Encoder
 
 #: the fine-tuning recipe of configs/low_label.yaml (the same for the pretrained encoder and from scratch)
 FINETUNE = dict(lr=0.05, backbone_lr=0.01, momentum=0.9, weight_decay=5e-4, schedule="cosine")
@@ -78,7 +81,7 @@ def linear_top1(
 
 
 def evaluate(
-    ckpt: str,
+    ckpt: Union[str, "Encoder"],
     datamodule: Optional[Any] = None,
     fractions: Sequence[float] = (0.01, 0.1),
     ks: Sequence[int] = (20, 200),
@@ -92,21 +95,22 @@ def evaluate(
     per_class: Sequence[int] = (),
 ) -> dict:
     """The figures of :mod:`moco_lightning.downstream.evaluate` for the encoder of ``ckpt`` (a checkpoint of any
-    method, or an
-    export) on ``datamodule`` (any datamodule with evaluation loaders, ``num_classes`` and, for the label budgets,
-    ``train_targets()`` / ``select_train()``: every datamodule of this library, image folders included; default:
-    Fashion-MNIST's test split). Label budgets: ``fractions`` of each class and ``per_class`` images of each class.
+    method, an export, or an :class:`~moco_lightning.downstream.encoder.Encoder` read already) on ``datamodule``
+    (any datamodule with evaluation loaders, ``num_classes`` and, for the label budgets, ``train_targets()`` /
+    ``select_train()``: every datamodule of this library, image folders included; default: Fashion-MNIST's test
+    split). Label budgets: ``fractions`` of each class and ``per_class`` images of each class.
     ``full_linear``, ``fine_tune``, ``scratch``, ``pixels``: measure those columns (a search skips the costly ones and
     the raw pixels, which do not change between its trials)."""
     from lightning.pytorch import seed_everything
 
     from moco_lightning.datamodules import FashionMNISTDataModule
     from moco_lightning.datamodules.selection import balanced_subset
-    from moco_lightning.downstream.encoder import load_encoder
+    from moco_lightning.downstream.encoder import read_encoder
     from moco_lightning.downstream.features import embed
 
     t0 = time.perf_counter()
-    backbone, _ = load_encoder(ckpt, arg="--ckpt")
+    encoder = read_encoder(ckpt, arg="--ckpt")  # the file read once: every budget's classifier is built from it
+    backbone, _ = encoder.build()
     dm = datamodule if datamodule is not None else FashionMNISTDataModule(pretrain=False, supervised_min_scale=1.0)
     if getattr(dm, "pretrain", False):
         raise ConfigError("evaluate needs the datamodule's evaluation views: set its pretrain false")
@@ -114,14 +118,14 @@ def evaluate(
     dm.setup("fit")
     classes = dm.num_classes
     cpu = torch.device("cpu")
-    progress(f"evaluate: {ckpt}: features of the training and evaluation splits")
+    progress(f"evaluate: {encoder.source}: features of the training and evaluation splits")
     splits = {}
     for name, module in (("encoder", backbone), ("pixels", nn.Flatten()))[: 2 if pixels else 1]:
         train = embed(module, dm.eval_train_dataloader(), cpu, gather=False, normalize=False)
         held = embed(module, dm.eval_val_dataloader(), cpu, gather=False, normalize=False)
         splits[name] = (train, held)
     n_train, n_eval = len(splits["encoder"][0][1]), len(splits["encoder"][1][1])
-    out: dict = {"ckpt": str(ckpt), "train_images": n_train, "eval_images": n_eval, "classes": classes, "rows": {}}
+    out: dict = {"ckpt": encoder.source, "train_images": n_train, "eval_images": n_eval, "classes": classes, "rows": {}}
     for name, (train, held) in splits.items():
         for k in ks:  # a k above the bank's size is every training image: said in the row's name
             row = f"kNN k {k}" if k <= n_train else f"kNN k {n_train} (--k {k} capped: {n_train} training images)"
@@ -138,11 +142,8 @@ def evaluate(
         row = {"labels": len(idx), "share": len(idx) / n_train}
         for column, name in (("linear", "encoder"), ("linear_pixels", "pixels"))[: 2 if pixels else 1]:
             every = out["rows"].get("linear, all labels", {}).get(name) if len(idx) == n_train else None
-            row[column] = (
-                every
-                if every is not None
-                else linear_top1(tuple(t[idx] for t in splits[name][0]), splits[name][1], classes)
-            )  # all the labels: the full-label linear already measured
+            subset = tuple(t[idx] for t in splits[name][0])  # all the labels: the full-label linear, measured already
+            row[column] = every if every is not None else linear_top1(subset, splits[name][1], classes)
         n_steps, batch = steps or finetune_steps(len(idx)), min(BATCH, len(idx))  # a small subset: one batch of all
         if fine_tune or scratch:
             row["steps"], row["batch"] = n_steps, batch
@@ -151,7 +152,7 @@ def evaluate(
                 continue
             progress(f"evaluate: {key} of the labels ({len(idx)}): {column.replace('_', ' ')}, {n_steps} steps")
             seed_everything(seed, verbose=False)
-            row[column] = _finetune(ckpt, copy.deepcopy(template), budget, n_steps, from_scratch, seed, batch)
+            row[column] = _finetune(encoder, copy.deepcopy(template), budget, n_steps, from_scratch, seed, batch)
         if fine_tune and scratch:
             row["fine_tuned_minus_scratch"] = row["fine_tuned"] - row["from_scratch"]
         out["fractions"][key] = row
@@ -160,7 +161,9 @@ def evaluate(
     return out
 
 
-def _finetune(ckpt: str, data: Any, budget: dict, steps: int, scratch: bool, seed: int, batch: int = BATCH) -> float:
+def _finetune(
+    encoder: "Encoder", data: Any, budget: dict, steps: int, scratch: bool, seed: int, batch: int = BATCH
+) -> float:
     """Held-out top-1 of ``LinearClassifier`` fine-tuned (or from scratch) on a label ``budget`` of ``data``
     (``{"fraction": f}`` or ``{"per_class": n}``; a fresh datamodule: the labelled subset replaces its training split),
     in batches of ``batch``."""
@@ -171,8 +174,8 @@ def _finetune(ckpt: str, data: Any, budget: dict, steps: int, scratch: bool, see
     data.batch_size = batch
     recipe = dict(FINETUNE, backbone_lr=None) if scratch else FINETUNE
     labels = dict(label_fraction=budget.get("fraction"), labels_per_class=budget.get("per_class"))
-    model = LinearClassifier(ckpt_path=str(ckpt), **labels, label_seed=seed, finetune=True, from_scratch=scratch,
-                             **recipe)  # fmt: skip
+    model = LinearClassifier.on_encoder(encoder, **labels, label_seed=seed, finetune=True, from_scratch=scratch,
+                                        **recipe)  # fmt: skip
     trainer = Trainer(
         accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -32,12 +32,11 @@ from moco_lightning.downstream.detection import (
     write_detectron2,
 )
 from moco_lightning.downstream.encoder import (
+    Encoder,
     architecture_in,
     checkpoint_backbone,
     encoder_from,
-    encoder_of,
     transform_in,
-    transform_of,
 )
 from moco_lightning.errors import ConfigError
 from moco_lightning.training.checkpoint_io import read_checkpoint
@@ -55,9 +54,9 @@ def load_backbone(path: str | Path, with_transform: bool = False) -> nn.Module |
     loaded strictly; in train mode, as a freshly built module (call ``.eval()`` to extract features).
     ``with_transform``: ``(backbone, transform)``, the transform from any PIL image to the tensor the backbone takes,
     as recorded at pretraining (:func:`moco_lightning.load_transform`), as torchvision's ``weights.transforms()``."""
-    state, architecture = encoder_of(path, expect="export", arg="")
-    backbone = encoder_from(state, architecture)[0]
-    return (backbone, transform_of(state, architecture, path)) if with_transform else backbone
+    encoder = Encoder.read(path, expect="export", arg="")
+    backbone = encoder.build()[0]
+    return (backbone, encoder.transform()) if with_transform else backbone
 
 
 def export_backbone(

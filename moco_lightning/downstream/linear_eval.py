@@ -38,7 +38,8 @@ from moco_lightning.datamodules.selection import (
     select_labels,
     training_targets,
 )
-from moco_lightning.downstream.encoder import ENCODER_KEY, choose_encoder, contradictions
+from moco_lightning.downstream.encoder import ENCODER_KEY, Encoder, given_encoder
+from moco_lightning.downstream.encoder_choice import choose_encoder, contradictions
 from moco_lightning.errors import RANGES, ConfigError, check_arguments
 from moco_lightning.modules.distributed import end_process_group_at_exit
 from moco_lightning.training.checkpoint import SafeLoading
@@ -144,6 +145,13 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         self.head: Optional[nn.Linear] = None
         if num_classes is not None:
             self._build_head(num_classes)
+
+    @classmethod
+    def on_encoder(cls, encoder: Encoder, **settings: Any) -> "LinearClassifier":
+        """A classifier on ``encoder``, read already (``ckpt_path`` records its file): ``evaluate`` reads the file
+        once for every label budget, fine-tuned and from scratch."""
+        with given_encoder(encoder):
+            return cls(ckpt_path=encoder.source, **settings)
 
     def _build_head(self, num_classes: int) -> None:
         self.hparams.num_classes = int(num_classes)  # so a checkpoint of this module rebuilds the head
