@@ -35,7 +35,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     header("Low-label evaluation: moco-lightning evaluate, encoder by encoder", args)
     from moco_lightning.datamodules import FashionMNISTDataModule
-    from moco_lightning.downstream.evaluate import HOLDOUT, evaluate, markdown
+    from moco_lightning.downstream.evaluate import HOLDOUT, evaluate
+    from moco_lightning.downstream.report import markdown
 
     for name, ckpt in zip(names, args.ckpt):
         data = FashionMNISTDataModule(

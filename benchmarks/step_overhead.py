@@ -48,8 +48,9 @@ def setup_model(args, *overrides: str):
     torch.manual_seed(args.seed)
     model, dm = from_config(config_path(args.config), *args.override, *overrides)
     model.trainer = SimpleNamespace(
-        world_size=1, strategy=SimpleNamespace(_layer_sync=None), global_step=0, training=True, precision="32-true"
-    )
+        world_size=1, strategy=SimpleNamespace(_layer_sync=None), global_step=0, training=True, precision="32-true",
+        train_dataloader=SimpleNamespace(batch_size=dm.batch_size), accumulate_grad_batches=1,  # for check_fit
+    )  # fmt: skip
     model.setup("fit")
     model.trainer = None
     model.train()

@@ -161,7 +161,8 @@ def test_all_the_labels_reuse_the_full_label_linear():
 def test_labels_to_match_reads_the_from_scratch_curve_where_it_reaches_the_fine_tuned_encoder():
     """Fine-tuned 0.80 with 60 labels; from scratch 0.70 at 60, 0.76 at 120, 0.84 at 600: it reaches 0.80 half-way
     (in log labels) between 120 and 600, at 120 * 5 ** 0.5 = 268 labels, 4.5x; never reached: None, said so."""
-    from moco_lightning.downstream.evaluate import labels_to_match, markdown
+    from moco_lightning.downstream.evaluate import labels_to_match
+    from moco_lightning.downstream.report import markdown
 
     rows = {"0.01": dict(labels=60, fine_tuned=0.80, from_scratch=0.70),
             "0.02": dict(labels=120, fine_tuned=0.85, from_scratch=0.76),

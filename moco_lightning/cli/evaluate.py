@@ -14,7 +14,8 @@ from moco_lightning.datamodules import BadImageError
 from moco_lightning.downstream import evaluate as measure
 from moco_lightning.downstream.embed import check_out_folder
 from moco_lightning.downstream.encoder import Encoder, read_encoder
-from moco_lightning.downstream.evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate, markdown, plot, run_name
+from moco_lightning.downstream.evaluate import CURVE, HOLDOUT, MAX_STEPS, evaluate
+from moco_lightning.downstream.report import markdown, plot, run_name
 from moco_lightning.errors import ConfigError
 from moco_lightning.training.compat import constructor_arguments
 
