@@ -3,8 +3,6 @@ names of the flat layout (0.3 and earlier) still import."""
 
 import ast
 import importlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -142,11 +140,13 @@ def test_a_checkpoints_old_class_path_names_the_moved_class():
     assert imported_class("moco_lightning.MoCoV3") is MoCoV3
 
 
-def test_help_lists_every_subcommand():
-    from moco_lightning.cli import COMMANDS, SUBCOMMANDS
+def test_help_lists_every_subcommand(capsys):
+    from moco_lightning.cli import COMMANDS, SUBCOMMANDS, main
 
-    out = subprocess.run([sys.executable, "-m", "moco_lightning", "--help"], capture_output=True, text=True, check=True)
-    usage = out.stdout.split("\n\n")[0]
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    usage = capsys.readouterr().out.split("\n\n")[0]
     for command in (*SUBCOMMANDS, *COMMANDS):
         assert command in usage, (command, usage)
     assert set(COMMANDS) >= {"evaluate", "export", "embed", "linear"}
