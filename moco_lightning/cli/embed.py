@@ -1,23 +1,11 @@
-"""``moco-lightning embed``: the features of every image of a folder, for search, clustering or a plot.
-
-    moco-lightning embed --ckpt runs/my_run/version_0/checkpoints/last.ckpt --data my_images --out embeddings
-
-writes ``embeddings/features.npy`` (float32, one row an image: ``numpy.load(path, mmap_mode="r")`` reads it without
-loading it) and ``embeddings/index.csv`` (``row,path,label``: the class folder's name, empty for a folder without
-class folders). The images go through the encoder's own evaluation transform, as the checkpoint or export records it
-(:func:`moco_lightning.downstream.encoder.load_transform`; ``--mean`` / ``--std`` / ``--resize`` replace it), in
-batches on
-the fastest device here, with a progress bar on a terminal.
-
-``--neighbours K`` also writes ``neighbours.png``: eight images spread over the folder, each beside its K nearest
-neighbours (cosine similarity); ``--projector`` writes TensorBoard's embedding projector with image sprites
-(``tensorboard --logdir embeddings/projector``, the PROJECTOR tab).
-"""
+"""``moco-lightning embed``: the command over :func:`moco_lightning.downstream.embed.embed_folder` (its module
+docstring is the command's help)."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from moco_lightning.downstream import embed as computation
 from moco_lightning.downstream.embed import embed_folder
 
 
@@ -26,7 +14,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from moco_lightning.datamodules import BadImageError
 
-    doc = (__doc__ or "").split("\n\n")
+    doc = (computation.__doc__ or "").split("\n\n")
     p = argparse.ArgumentParser(prog="moco-lightning embed", description=doc[0], epilog="\n\n".join(doc[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--ckpt", required=True, help="a checkpoint of any pretraining method, or an export (.pt)")

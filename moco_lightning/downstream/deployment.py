@@ -11,9 +11,8 @@ running statistics).
 Each carries the architecture and the evaluation transform as JSON
 (:data:`moco_lightning.downstream.encoder.ARCHITECTURE_KEY`,
 :data:`~moco_lightning.downstream.encoder.TRANSFORM_KEY`): ONNX in the model's ``metadata_props``, ``pt2`` and
-``torchscript``
-as the extra files ``moco_lightning.json`` and ``moco_lightning_transform.json``, so the image size, channels, mean
-and std travel with the program.
+``torchscript`` as the extra files ``moco_lightning.json`` and ``moco_lightning_transform.json``, so the image size,
+channels, mean and std travel with the program.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@
 writes ``embeddings/features.npy`` (float32, one row an image: ``numpy.load(path, mmap_mode="r")`` reads it without
 loading it) and ``embeddings/index.csv`` (``row,path,label``: the class folder's name, empty for a folder without
 class folders). The images go through the encoder's own evaluation transform, as the checkpoint or export records it
-(:func:`moco_lightning.downstream.encoder.load_transform`; ``--mean`` / ``--std`` / ``--resize`` replace it), in
-batches on
-the fastest device here, with a progress bar on a terminal.
+(:meth:`moco_lightning.downstream.encoder.Encoder.transform`; ``--mean`` / ``--std`` / ``--resize`` replace it),
+in batches on the fastest device here, with a progress bar on a terminal.
 
 ``--neighbours K`` also writes ``neighbours.png``: eight images spread over the folder, each beside its K nearest
 neighbours (cosine similarity); ``--projector`` writes TensorBoard's embedding projector with image sprites

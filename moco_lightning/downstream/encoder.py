@@ -116,9 +116,8 @@ def described(
 
 def classifier_backbone(checkpoint: dict, path: str | Path, encoder: str = "query") -> OrderedDict[str, torch.Tensor]:
     """The backbone of a :class:`~moco_lightning.downstream.linear_eval.LinearClassifier` checkpoint (a linear
-    evaluation: the
-    pretrained encoder, frozen; a fine-tuning: the encoder it trained), with the architecture and evaluation
-    transform it recorded (``checkpoint["encoder"]``)."""
+    evaluation: the pretrained encoder, frozen; a fine-tuning: the encoder it trained), with the architecture and
+    evaluation transform it recorded (``checkpoint["encoder"]``)."""
     if encoder != "query":
         raise ConfigError(
             f"{path} is a linear-evaluation / fine-tuning checkpoint: it holds one encoder, not a momentum copy; use "

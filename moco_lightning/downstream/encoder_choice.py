@@ -63,10 +63,10 @@ def choose_encoder(
 ) -> tuple[nn.Module, int, dict]:
     """The encoder an evaluation trains on, its feature size and its record (``{"architecture": what it was built
     as, empty for a module; "transform": the evaluation transform its file recorded}``): ``backbone`` (a
-    module, or a name built with ``architecture``: :func:`moco_lightning.modules.backbones.build_backbone`'s arguments)
-    with
-    the weights of ``source`` when given and ``weights``; without ``backbone``, the encoder of ``source`` as the file
-    records it (:func:`encoder_of`; ``architecture`` is then not used)."""
+    module, or a name built with ``architecture``: :func:`moco_lightning.modules.backbones.build_backbone`'s
+    arguments) with the weights of ``source`` when given and ``weights``; without ``backbone``, the encoder of
+    ``source`` (a file, or an :class:`~moco_lightning.downstream.encoder.Encoder` read already) as the file records
+    it; ``architecture`` is then not used."""
     if backbone is None:
         if source is None:
             raise ConfigError(

@@ -103,8 +103,7 @@ def export_backbone(
 
 def write_program_of(state: Any, architecture: dict, fmt: str, out: Path) -> None:
     """:func:`~moco_lightning.downstream.deployment.write_program` of a backbone state; a backbone torch cannot trace
-    or export
-    is one line naming the format (and no half-written file is left)."""
+    or export is one line naming the format (and no half-written file is left)."""
     backbone = encoder_from(state, architecture)[0]
     try:
         write_program(backbone, architecture, transform_in(state), fmt, out)

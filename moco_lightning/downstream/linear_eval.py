@@ -81,8 +81,7 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
     Args:
         ckpt_path / backbone_state_dict: the encoder of a checkpoint of any method or of an export
             (:func:`moco_lightning.downstream.encoder.load_encoder`); with ``backbone`` (a module, or a torchvision /
-            ``timm:``
-            name built with ``stem``, ``in_channels``, ``image_size``, ``width``), that backbone's weights.
+            ``timm:`` name built with ``stem``, ``in_channels``, ``image_size``, ``width``), that backbone's weights.
         feature_dim: the backbone's output size (None: found by a dummy forward). num_classes: None: the datamodule's.
         lr, momentum, weight_decay: SGD (30, 0.9, 0). schedule: ``"step"`` (×0.1 at ``milestones``) or ``"cosine"``.
         label_fraction / labels_per_class, label_seed: a low-label subset (:mod:`moco_lightning.datamodules.selection`).

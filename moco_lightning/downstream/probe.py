@@ -24,8 +24,7 @@ def probe_accuracy(
     The features are standardised with the train split's statistics; Adam, cosine lr over ``epochs`` epochs,
     minibatches of ``batch_size`` drawn from ``seed`` (the global RNG is left alone). What the benchmarks report as
     "linear probe": cheaper than :class:`~moco_lightning.downstream.linear_eval.LinearClassifier` (which runs the
-    backbone on
-    augmented images every epoch) and the same for every system compared.
+    backbone on augmented images every epoch) and the same for every system compared.
     """
     mean, std = train_features.mean(0), train_features.std(0) + 1e-6
     train, test = (train_features - mean) / std, (test_features - mean) / std

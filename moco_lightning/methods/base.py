@@ -48,8 +48,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         backbone: torchvision model name, ``"timm:<name>"``, or an ``nn.Module`` returning features (N, D).
         stem: ResNets: ``"imagenet"`` (torchvision's), ``"cifar"`` (3x3 stride 1, no max-pool) or ``"cifar_stride2"``
             (3x3 stride 2, no max-pool: 14x14 maps at 28 px); :data:`moco_lightning.modules.backbones.STEMS`.
-            ``cifar_stem``:
-            its older spelling of ``"cifar"``, deprecated (a warning; removed in 0.4).
+            ``cifar_stem``: its older spelling of ``"cifar"``, deprecated (a warning; removed in 0.4).
         in_channels: image channels (1 for grayscale).
         image_size: input side, used only to find the feature size of models that need it.
         width: torchvision ResNets only: channel multiplier of every stage (0.5 halves ResNet-18's 64-512 channels).

@@ -37,8 +37,7 @@ class MoCo(MomentumContrast):
         **kwargs: the key encoder (``momentum``, ``momentum_schedule``, ``shuffle_bn``, ``bn_splits``) of
             :class:`~moco_lightning.methods.contrastive.MomentumContrast`, ``dim``, ``hidden_dim``, ``temperature``,
             ``decay_norm_bias`` of :class:`~moco_lightning.methods.contrastive.Contrastive`, and the backbone,
-            optimizer and
-            schedule of :class:`~moco_lightning.methods.base.Pretraining`.
+            optimizer and schedule of :class:`~moco_lightning.methods.base.Pretraining`.
     """
 
     STRUCTURAL = MomentumContrast.STRUCTURAL + ("head", "queue_size")

@@ -3,8 +3,8 @@ rest of the batch.
 
 Both views of N images go through one encoder (concatenated: BatchNorm sees all 2N images, as the official code);
 NT-Xent (:func:`moco_lightning.modules.loss.nt_xent`) contrasts each of the 2N embeddings with its other view
-(positive) and
-the other 2N − 2 embeddings (negatives), gathered across ranks with gradients, so the dictionary is the global batch.
+(positive) and the other 2N − 2 embeddings (negatives), gathered across ranks with gradients, so the dictionary is
+the global batch.
 It is MoCo's end-to-end mechanism (:class:`moco_lightning.EndToEnd`, Fig. 2a of the MoCo paper) with both views as
 queries *and* as negatives: 2N − 2 negatives instead of N − 1. Every negative costs the activations of an image
 in memory, which is why SimCLR needs large batches (4096 in the paper) and MoCo's queue does not.

@@ -26,8 +26,7 @@ class MomentumCopy:
     """Frozen momentum copies of ``owner``'s children ``names`` under ``prefix + name``, and their update.
 
     ``owner`` is a :class:`~moco_lightning.methods.base.Pretraining` module (its ``optimizer_stepped()`` gates the
-    update and
-    its step plan drives the schedule); the copies are its own child modules, so they are saved, moved and
+    update and its step plan drives the schedule); the copies are its own child modules, so they are saved, moved and
     compiled with it. ``what``: the copy's name in errors ("the key encoder")."""
 
     def __init__(

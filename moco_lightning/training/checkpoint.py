@@ -2,8 +2,7 @@
 (:mod:`moco_lightning.training.checkpoint_io`), a checkpoint of another class refused naming both, older formats
 upgraded
 (:mod:`moco_lightning.training.compat`), then Lightning builds the module and loads the weights. A run's own state in
-the
-checkpoint is :mod:`moco_lightning.training.run_state`'s."""
+the checkpoint is :mod:`moco_lightning.training.run_state`'s."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What every module of the library does so that a stopped run continues as if it had not stopped: the loggers keep
 their history (:mod:`moco_lightning.training.log_history`), an epoch that a ``max_steps`` stop cut short is re-opened,
-and the
-run's last step is in ``last.ckpt`` whatever the saving interval."""
+and the run's last step is in ``last.ckpt`` whatever the saving interval."""
 
 from __future__ import annotations
 

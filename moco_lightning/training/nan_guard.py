@@ -8,8 +8,7 @@ Lightning reads its logged metrics anyway; at least every 100), before any check
 of training. There the
 flags since the last check are all-reduced (max) across ranks, with a number of the caller's (the signal of a
 preempted run, :mod:`moco_lightning.training.preemption`), and read once: every rank stops at the same step with the
-first
-bad step's message, and no checkpoint holds the bad weights (a non-finite loss makes the weights that follow
+first bad step's message, and no checkpoint holds the bad weights (a non-finite loss makes the weights that follow
 non-finite; the steps up to the check are wasted, not saved). ``on_nan="skip"`` (one process only) reads each loss
 at once, which it must to skip that batch, with a warning.
 """
