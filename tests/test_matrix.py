@@ -562,7 +562,7 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(command, tmp_path, cap
         raise AssertionError("work started before --out was checked")
 
     monkeypatch.setattr(cli_evaluate, "datamodule_of", no_work)
-    monkeypatch.setattr(encoder, "encoder_of", no_work)
+    monkeypatch.setattr(encoder.Encoder, "read", classmethod(no_work))  # the one reader of a checkpoint or export
     root = write_tree(tmp_path / "photos", n_per_class=2)
     (tmp_path / "taken").write_text("a file")
     data = ["--data_dir", str(root)] if command == "evaluate" else ["--data", str(root / "train")]

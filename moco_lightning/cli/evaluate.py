@@ -112,17 +112,10 @@ def datamodule_of(
     return parser.instantiate_classes(parser.parse_object({"data": {**data, "init_args": init}})).data
 
 
-def check_label_budgets(dm: Any, fractions: Sequence[float], per_class: Sequence[int], seed: int) -> None:
-    """Label budgets need the datamodule's ``train_targets()`` and ``select_train()``; a ``--per_class`` budget
-    larger than a class is refused here, before the features and the fine-tuning runs."""
-    from moco_lightning.datamodules.selection import balanced_subset
-
+def check_label_budgets(dm: Any, budgets: int) -> None:
+    """Label budgets need the datamodule's ``train_targets()`` and ``select_train()``."""
     missing = [m for m in ("train_targets", "select_train") if not hasattr(dm, m)]
-    if per_class and not missing:
-        targets, names = dm.train_targets(), getattr(dm, "classes", None)
-        for n in per_class:
-            balanced_subset(targets, per_class=n, seed=seed, names=names, setting="--per_class")
-    if (fractions or per_class) and missing:
+    if budgets and missing:
         raise ConfigError(
             f"evaluate: the label budgets (--fractions / --per_class) need {type(dm).__name__}.{' and .'.join(missing)}"
             "() (the training split's targets, and keeping a subset of it: every datamodule of moco_lightning has "
@@ -199,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         encoder = Encoder.read(args.ckpt, arg="--ckpt")  # the file read once, for the data and every measurement
         dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, encoder, args.skip_bad_images,
                            args.holdout)  # fmt: skip
-        check_label_budgets(dm, fractions, args.per_class, args.seed)
+        check_label_budgets(dm, len(fractions) + len(args.per_class))
         result = evaluate(encoder, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning evaluate: error: {e}\n")

@@ -10,13 +10,12 @@ from typing import Any, Optional
 
 from moco_lightning.errors import ConfigError
 from moco_lightning.training.checkpoint_io import read_checkpoint
+from moco_lightning.training.run_state import checkpoint_class
 
 
 def check_checkpoint_class(ckpt: dict, path: str, model_class: type) -> None:
     """A checkpoint of another method (SimCLR into a MoCo run) is an error naming both classes, not a silent switch
     (the configured class or a subclass of it; :func:`~moco_lightning.training.run_state.checkpoint_class`)."""
-    from moco_lightning.training.run_state import checkpoint_class
-
     checkpoint_class(
         ckpt,
         model_class,

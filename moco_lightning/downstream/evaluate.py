@@ -115,7 +115,10 @@ def evaluate(
         raise ConfigError("evaluate needs the datamodule's evaluation views: set its pretrain false")
     template = copy.deepcopy(dm)  # each fine-tuning run restricts the training split of a fresh copy to its labels
     dm.setup("fit")
-    classes = dm.num_classes
+    classes, names = dm.num_classes, getattr(dm, "classes", None)
+    if per_class and hasattr(dm, "train_targets"):  # a budget larger than a class: refused before any work
+        for n in per_class:
+            balanced_subset(dm.train_targets(), per_class=n, seed=seed, names=names, setting="--per_class")
     cpu = torch.device("cpu")
     progress(f"evaluate: {encoder.source}: features of the training and evaluation splits")
     splits = {}
@@ -136,7 +139,6 @@ def evaluate(
     targets = splits["encoder"][0][1]
     budgets = [(f"{f:g}", dict(fraction=f)) for f in fractions] + [(f"{n}/class", dict(per_class=n)) for n in per_class]
     for key, budget in budgets:
-        names = getattr(dm, "classes", None)
         idx = balanced_subset(targets, seed=seed, names=names, setting="--per_class", **budget)
         row = {"labels": len(idx), "share": len(idx) / n_train}
         for column, name in (("linear", "encoder"), ("linear_pixels", "pixels"))[: 2 if pixels else 1]:
