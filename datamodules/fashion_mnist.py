@@ -8,6 +8,7 @@ through torchvision when ``download=True``.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 from dataclasses import replace
@@ -31,7 +32,22 @@ FILES = {
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Reads an IDX file (LeCun's MNIST format), gzip-compressed or not."""
+    """Reads an IDX file (LeCun's MNIST format), gzip-compressed or not, as a read-only array.
+
+    A process reads each file once (``evaluate``'s label budgets, a notebook's datamodules, a test's runs): the
+    decompressed array is kept, keyed on the file's path, size and modification time, so a replaced file is read again.
+    """
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read as an IDX file ({e}); delete it and get the dataset again") from None
+    return _read_idx(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)  # Fashion-MNIST's four files, twice over
+def _read_idx(name: str, size: int, mtime_ns: int) -> np.ndarray:
+    path = Path(name)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:

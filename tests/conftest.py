@@ -30,3 +30,10 @@ def seeded():
 
     seed_everything(0, verbose=False)
     return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (subprocesses, several processes, benchmark scripts: 5-120 s each) first, the rest in file order:
+    pytest-xdist hands tests out in collection order, and a 2-minute test picked up last keeps one worker busy alone
+    while the other has finished (longest first balances the two workers)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -1,5 +1,6 @@
 """Every benchmark script runs end to end at toy sizes, so that none of them can rot unnoticed."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,45 +30,48 @@ def gpu_check_lines(out: str) -> dict:
     return dict(line.split(": ", 1) for line in out.splitlines()[1:] if ": " in line and not line.startswith(" "))
 
 
-def test_gpu_check_quick_runs_without_dali_and_writes_its_summary_as_it_goes(tmp_path):
-    """#53: ``--quick`` (the README's GPU table) at toy sizes, with DALI's path skipped, saying so; the summary file
-    holds the table; a check that overruns its share is killed with the reason, and the runner goes on."""
-    import argparse
-
-    from benchmarks.gpu_check import QUICK, run_in_process
+def test_gpu_check_runs_every_check_on_the_cpu_and_writes_its_summary_as_it_goes(tmp_path):
+    """The prepared GPU check, every check at toy sizes in one run (each in a process of its own, as on the GPU), ending
+    with the summary table, which the summary file holds too: the quick ones (#53: the README's GPU table), DALI's path,
+    the multi-GPU path as 2 processes started with spawn (everything pickled into them: module-level classes), gloo."""
+    from benchmarks.gpu_check import CHECKS
 
     summary = tmp_path / "summary.md"
-    out = run("gpu_check.py", "--device", "cpu", "--quick", "--no-dali", "--summary", str(summary))
-    lines = gpu_check_lines(out)
-    assert set(QUICK) <= set(lines) and not any(v.startswith("FAILED") for v in lines.values()), lines
-    assert "queue torch.float32" in lines["fit"] and "ours 0.00e+00" in lines["bf16_logits"]
-    assert "DALI skipped: --no-dali" in lines["throughput"]
-    for figure in ("(a) bare encoder", "(b) fit step, split BN 2", "(b) fit step, plain BN", "(d) fit with PIL"):
-        assert f"| {figure} |" in out and f"| {figure} |" in summary.read_text()
-    args = argparse.Namespace(device="cpu", size="toy", no_dali=True)
-    line, rows = run_in_process(args, "fit", 0.5)  # less than the process's start-up
-    assert line.startswith("FAILED: did not finish within its share, 0 s: killed") and rows[0].ok is False
-
-
-def test_gpu_check_runs_on_the_cpu(tmp_path):
-    """The prepared GPU check's other checks at toy sizes (the quick ones: above), ending with the summary table; DALI's
-    path; the multi-GPU path as 2 processes started with spawn (everything pickled into them: module-level classes),
-    gloo."""
-    checks = ["throughput", "knn_memory", "compile", "multi_crop", "ddp"]
-    out = run("gpu_check.py", "--device", "cpu", "--checks", *checks, "--summary", str(tmp_path / "s.md"), timeout=900)
+    out = run("gpu_check.py", "--device", "cpu", "--summary", str(summary), timeout=900)
     body, table = out.split("\nsummary (CPU, ")
     lines = gpu_check_lines(body)
-    assert set(lines) >= set(checks)
-    assert not any(v.startswith("FAILED") for v in lines.values()), lines
+    assert set(lines) == set(CHECKS) and not any(v.startswith("FAILED") for v in lines.values()), lines
+    assert "queue torch.float32" in lines["fit"] and "ours 0.00e+00" in lines["bf16_logits"]
     assert "DALI decoded on cpu in (c), cpu in (d)" in lines["throughput"]
     assert "recompile limit hit 0x" in lines["compile"]
     assert "2 ranks (spawn, gloo" in lines["ddp"] and "queues identical: True" in lines["ddp"]
     assert "the same accuracy on every rank: True" in lines["ddp"]
+    for figure in ("(a) bare encoder", "(b) fit step, split BN 2", "(b) fit step, plain BN", "(d) fit with PIL"):
+        assert f"| {figure} |" in table and f"| {figure} |" in summary.read_text()
     rows = [r.split(" | ") for r in table.splitlines() if r.startswith("| ") and not r.startswith("| figure")]
     assert len(rows) >= 14 and not any("fail" in r[-1] for r in rows), table
     verdicts = {r[0].lstrip("| "): r[-1].rstrip(" |") for r in rows}
     assert verdicts["DDP queues identical on every rank"] == "pass"
     assert verdicts["compile: recompilations / limit hits"] == "pass"
+
+
+def test_gpu_check_quick_is_the_readmes_table_and_a_check_over_its_share_is_killed(monkeypatch):
+    """``--quick`` runs the README's GPU table's checks; ``--no-dali`` skips DALI's path, saying so; a check that
+    overruns its share is killed with the reason, and the runner goes on (the whole run: above)."""
+    import argparse
+
+    from benchmarks import gpu_check, gpu_checks_data, gpu_harness
+
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_in_process", lambda args, check, s: ran.append(check) or ("ok", []))
+    assert gpu_check.main(["--device", "cpu", "--quick", "--summary", os.devnull]) == 0
+    assert ran == list(gpu_check.QUICK) and set(gpu_check.QUICK) < set(gpu_check.CHECKS)
+    monkeypatch.setattr(gpu_harness, "NO_DALI", True)
+    assert gpu_checks_data.dali_missing() == "--no-dali"
+    monkeypatch.undo()
+    args = argparse.Namespace(device="cpu", size="toy", no_dali=True)
+    line, rows = gpu_check.run_in_process(args, "fit", 0.5)  # less than the process's start-up
+    assert line.startswith("FAILED: did not finish within its share, 0 s: killed") and rows[0].ok is False
 
 
 def test_quality_compares_configs_and_the_reference(tmp_path):

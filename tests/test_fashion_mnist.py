@@ -114,3 +114,26 @@ def test_training_loader_resumes_mid_epoch_from_its_state():
         {"epoch": 1, "batches": 4, "batch_size": 16, "samples": 64}
     )  # saved at the end of epoch 1: epoch 2 starts at its start
     assert len(list(other)) == 4
+
+
+def test_a_file_is_decompressed_once_per_process_and_again_when_it_changes(tmp_path, monkeypatch):
+    """``evaluate``'s budgets and a test's runs decompress Fashion-MNIST's files once; a replaced file is read anew."""
+    import gzip
+    import os
+
+    fake_fashion(tmp_path)
+    opened = []
+    real_open = gzip.open
+    reading = lambda f, mode="rb", **k: (mode == "rb" and opened.append(f)) or real_open(f, mode)  # noqa: E731
+    monkeypatch.setattr(gzip, "open", reading)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    first = read_idx(path)
+    assert read_idx(path) is first and opened == [path]
+    assert not first.flags.writeable  # shared between readers: nobody may change it
+    changed = first.copy()
+    changed[0] = 255
+    with gzip.open(path, "wb") as f:  # the same size, a later modification time
+        f.write(bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in changed.shape) + changed.tobytes())
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    again = read_idx(path)
+    assert len(opened) == 2 and (again[0] == 255).all() and (first[0] != 255).any()

@@ -22,7 +22,7 @@ def test_the_private_names_the_library_uses_still_exist():
     from lightning.pytorch.core.saving import _load_state
 
     assert list(inspect.signature(_load_state).parameters)[:3] == ["cls", "checkpoint", "strict"]
-    assert callable(LightningCLI._parse_ckpt_path)
+    assert callable(LightningCLI._parse_ckpt_path) and "config_dump" in inspect.getsource(LightningCLI._dump_config)
     assert "_subcommand_parsers" in inspect.getsource(LightningCLI._add_subcommands)
     assert lightning.__version__ >= "2.6.1"
 
@@ -53,3 +53,23 @@ def test_reopen_cut_epoch_reads_the_loop_layout_lightning_writes():
     assert at_epoch_end["loops"]["fit_loop"]["epoch_progress"]["total"]["processed"] == 0
     assert not _lightning.reopen_cut_epoch(loops(1, 1, last=True))  # the epoch ended
     assert not _lightning.reopen_cut_epoch(loops(0, 1, last=False))  # a step checkpoint: already mid-epoch
+
+
+def test_the_config_dump_is_lightnings(tmp_path):
+    """``CLIHooks._dump_config`` (libyaml's loader) gives the data Lightning's own (PyYAML's Python loader) gives."""
+    import yaml
+
+    from moco_lightning import MoCo, Pretraining
+    from moco_lightning.cli.app import make_cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "model:\n  class_path: moco_lightning.SimCLR\n  init_args: {temperature: 0.3}\n"
+        "data:\n  class_path: moco_lightning.datamodules.FashionMNISTDataModule\n"
+    )
+    cli = make_cli(Pretraining, ["--config", str(config), "--trainer.logger", "false"], MoCo, run=False)
+    assert yaml.__with_libyaml__  # the speed-up is real where the suite runs
+    ours = (cli._dump_config(), cli.config_dump)[1]
+    del cli.config_dump
+    LightningCLI._dump_config(cli)
+    assert ours == cli.config_dump and ours["model"]["init_args"]["temperature"] == 0.3
