@@ -1,6 +1,7 @@
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -92,21 +93,20 @@ data:
 """
 
 
-@pytest.mark.slow  # a subprocess / several processes
-def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
+def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path, monkeypatch, capsys):
     """No seed: only a real resume can leave run A's keys of steps 1-6 in the queue after step 9."""
     import torch
 
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG)
-    exe = str(Path(sys.executable).with_name("moco-lightning"))
-    fresh = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", "last"], cwd=tmp_path)
-    assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert "--ckpt_path last: no checkpoint under runs/tiny (version_*/checkpoints): starting a new run" in fresh.stderr
+    assert cli_main("fit", "--config", "cfg.yaml", "--ckpt_path", "last") == 0
+    assert "--ckpt_path last: no checkpoint under runs/tiny (version_*/checkpoints): starting a new run" in (
+        capsys.readouterr().err
+    )
     after_a = torch.load(tmp_path / "runs/tiny/version_0/checkpoints/last.ckpt", weights_only=True)
     assert after_a["global_step"] == 6
-    resumed = run([exe, "fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "9"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming runs/tiny/version_0/checkpoints/last.ckpt" in resumed.stderr
+    assert cli_main("fit", "--config", "cfg.yaml", "--ckpt_path", "last", "--trainer.max_steps", "9") == 0
+    assert "resuming runs/tiny/version_0/checkpoints/last.ckpt" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "runs/tiny").iterdir()) == ["version_0"]  # no new version_1
     final = torch.load(tmp_path / "runs/tiny/version_0/checkpoints/last.ckpt", weights_only=True)
     assert final["global_step"] == 9
@@ -115,39 +115,32 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path):
     assert [int((enqueued == s).sum()) for s in range(1, 10)] == [16] * 9  # 16 keys of each of steps 1-9
 
 
-@pytest.mark.slow  # a subprocess / several processes
-def test_resume_with_other_model_settings_errors_or_warns_naming_each(tmp_path):
+def test_resume_with_other_model_settings_errors_or_warns_naming_each(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 3"))
-    exe = str(Path(sys.executable).with_name("moco-lightning"))
-    assert run([exe, "fit", "--config", "cfg.yaml"], cwd=tmp_path).returncode == 0
+    assert cli_main("fit", "--config", "cfg.yaml") == 0
     ckpt = "runs/tiny/version_0/checkpoints/last.ckpt"
-    structural = run(
-        [exe, "fit", "--config", "cfg.yaml", "--ckpt_path", ckpt, "--model.queue_size", "512", "--model.dim", "8"],
-        cwd=tmp_path,
-    )
-    assert structural.returncode == 2
+    capsys.readouterr()
+    structural = cli_main("fit", "--config", "cfg.yaml", "--ckpt_path", ckpt, "--model.queue_size", "512",
+                          "--model.dim", "8")  # fmt: skip
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-2:]  # one error line and its hint, no traceback
+    assert structural == 2 and last[1].strip().startswith("(MOCO_LIGHTNING_DEBUG=1"), err[-2000:]
     assert (
-        "the checkpoint does not fit the configured model (dim: checkpoint 16, config 8; queue_size: checkpoint 256, "
-        "config 512)"
-    ) in structural.stderr
-    assert "Traceback" not in structural.stderr
-    other = run(
-        [
-            exe,
-            "fit",
-            "--config",
-            "cfg.yaml",
-            "--ckpt_path",
-            ckpt,
-            "--model.temperature",
-            "0.5",
-            "--trainer.max_steps",
-            "4",
-        ],
-        cwd=tmp_path,
+        last[0].startswith("moco-lightning fit: error: --ckpt_path")
+        and (
+            "the checkpoint does not fit the configured model (dim: checkpoint 16, config 8; queue_size: checkpoint 256, "
+            "config 512)"
+        )
+        in last[0]
     )
-    assert other.returncode == 0, other.stderr[-3000:]
-    assert "these configured values are ignored: temperature: config 0.5, checkpoint 0.2" in other.stderr
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other = cli_main("fit", "--config", "cfg.yaml", "--ckpt_path", ckpt, "--model.temperature", "0.5",
+                         "--trainer.max_steps", "4")  # fmt: skip
+    assert other == 0
+    said = [str(w.message) for w in caught]
+    assert any("these configured values are ignored: temperature: config 0.5, checkpoint 0.2" in m for m in said), said
 
 
 def test_bad_settings_end_with_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys):
