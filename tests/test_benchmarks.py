@@ -1,11 +1,10 @@
 """Every benchmark script runs end to end at toy sizes, so that none of them can rot unnoticed."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import run_module_forked
 
 pytestmark = pytest.mark.slow  # benchmark scripts
 
@@ -13,14 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(script: str, *args: str, timeout: int = 300) -> str:
-    """``python -m benchmarks.<script>`` from the repository's root, as the README runs them."""
-    out = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    """``python -m benchmarks.<script>`` from the repository's root, as the README runs them (the module run as
+    ``__main__`` in a child forked from this process: the imports done once)."""
+    out = run_module_forked(f"benchmarks.{script.removesuffix('.py')}", list(args), cwd=ROOT, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 

@@ -60,3 +60,43 @@ def run(args: list, cwd: Any = None, timeout: int = 240, env: Optional[dict] = N
     if args and args[0] == "moco-lightning":
         args = [sys.executable, "-m", "moco_lightning", *args[1:]]
     return subprocess.run(args, cwd=cwd, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_module_forked(module: str, args: list, cwd: Any = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m module *args`` in a child forked from this process: the module run as ``__main__`` (``runpy``,
+    as ``-m`` does) with this process's imports already done (a fresh interpreter spends ~6 s importing torch,
+    Lightning and torchvision before the first line of a benchmark). Its output captured; killed after
+    ``timeout`` seconds (``subprocess.TimeoutExpired``, as :func:`subprocess.run`)."""
+    import multiprocessing
+    import runpy
+    import tempfile
+
+    def child(out: str, err: str) -> None:
+        with open(out, "w") as o, open(err, "w") as e:
+            os.dup2(o.fileno(), 1)
+            os.dup2(e.fileno(), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.chdir(cwd)
+        sys.argv = [module, *args]
+        code = 0
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        process = multiprocessing.get_context("fork").Process(target=child, args=(out, err))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            raise subprocess.TimeoutExpired([module, *args], timeout)
+        with open(out) as o, open(err) as e:
+            stdout, stderr = o.read(), e.read()
+    return subprocess.CompletedProcess([module, *args], process.exitcode, stdout, stderr)
