@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import lightning.pytorch  # noqa: F401  (its log handlers bound to the session's stderr, not to one test's capsys)
 import pytest
 import torch
 
