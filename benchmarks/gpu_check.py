@@ -155,7 +155,7 @@ def run_forked(one: argparse.Namespace, seconds: float) -> int:
 
     import moco_lightning  # noqa: F401  (imported once, here, for every check's child)
 
-    child = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(run_one(one)), daemon=False)
+    child = multiprocessing.get_context("fork").Process(target=lambda: sys.exit(run_one(one)))
     child.start()
     child.join(seconds)
     if child.is_alive():

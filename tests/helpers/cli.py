@@ -82,8 +82,10 @@ def run_module_forked(module: str, args: list, cwd: Any = ROOT, timeout: int = 3
         code = 0
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
-        except SystemExit as stop:
+        except SystemExit as stop:  # as the interpreter: an int is the code, None 0, anything else printed, 1
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if stop.code is not None and not isinstance(stop.code, int):
+                print(stop.code, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
