@@ -119,9 +119,12 @@ class ResumableDataLoader(EpochPosition, DataLoader):
             batches = super().__iter__()
         finally:
             self._skip = 0
-        for batch in batches:
-            self._yielded += 1
-            yield batch
+        try:
+            for batch in batches:
+                self._yielded += 1
+                yield batch
+        finally:  # an error (a worker's too) or a loop stopped early: the workers go now, not when collected
+            shut_down_workers(batches)
 
     @property
     def _index_sampler(self):  # what DataLoader's iterators draw indices from (the batch sampler here)
@@ -146,6 +149,19 @@ class _SkipFirst:
     def __iter__(self) -> Iterator:
         loader = self.loader()
         return itertools.islice(iter(self.inner), loader._skip if loader is not None else 0, None)
+
+
+def shut_down_workers(iterator: Any) -> None:
+    """Stops the worker processes of a ``DataLoader`` iterator now (a no-op for other iterators, an ended one and
+    persistent workers, which the loader reuses).
+
+    Called on the way out of a loop over a loader, error or not. After a worker's error the iterator sits in the cycle
+    of the exception's traceback, and left to the garbage collector torch's shutdown met its queues already closed
+    and waited 5 s (``MP_STATUS_CHECK_INTERVAL``) for each worker before killing it: an error came 5 s late.
+    ``_shutdown_workers`` is torch's own shutdown (an iterator has no public ``close``)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None and not getattr(iterator, "_persistent_workers", False):
+        shutdown()
 
 
 class Batch(tuple):

@@ -15,6 +15,10 @@ from moco_lightning.downstream.linear_eval import LinearClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+FAST = (
+    "quickstart.yaml",
+    "image_folder.yaml",
+)  # in the fast loop: the demo's and a user's folder; all in the full suite
 SMALL_FMNIST = ["--data.init_args.batch_size=16", "--data.init_args.train_subset=64", "--data.init_args.val_subset=32"]
 
 
@@ -73,7 +77,7 @@ def pretrain_checkpoint(tmp: Path) -> Path:
 
 @pytest.mark.parametrize(
     "config",
-    [pytest.param(c, marks=pytest.mark.slow) if "ddp" in c else c for c in CONFIGS],  # DDP: processes
+    [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS],
 )
 def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeypatch, one_torch_thread):
     monkeypatch.chdir(tmp_path)

@@ -78,6 +78,7 @@ def test_multi_crop_resume_is_bit_equal(tmp_path):
     )
 
 
+@pytest.mark.slow  # torch.compile: seconds of compiling
 def test_compiled_encoders_give_the_eager_loss_and_the_momentum_update_moves_the_real_weights(tmp_path):
     """torch.compile (its aot_eager backend here, seconds instead of inductor's minutes on a CPU) for a few steps."""
     losses = {}

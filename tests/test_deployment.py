@@ -43,7 +43,7 @@ def run_program(fmt: str, path, x: torch.Tensor) -> tuple[np.ndarray, dict]:
 
 
 @pytest.mark.parametrize("kind", ["resnet", "vit"])
-@pytest.mark.parametrize("fmt", ["onnx", "pt2", "torchscript"])
+@pytest.mark.parametrize("fmt", [pytest.param("onnx", marks=pytest.mark.slow), "pt2", "torchscript"])  # onnx: ~5 s
 def test_a_program_computes_the_encoders_features_at_any_batch_and_carries_its_description(tmp_path, seeded, fmt, kind):
     if kind == "vit":
         pytest.importorskip("timm")

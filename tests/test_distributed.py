@@ -7,8 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers.distributed import free_port, gloo_rank
+from helpers.distributed import free_port, gloo_rank, run_ranks
 from helpers.models import no_bn_backbone, tiny_moco
 from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, LightningDataModule, seed_everything
@@ -138,7 +137,7 @@ def _collectives_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_uneven_batches_gather_enqueue_and_shuffle_bn_inverse(tmp_path):
-    mp.spawn(_collectives_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_collectives_worker, free_port(), str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"collectives{r}.pt") for r in (0, 1))
     x0 = torch.arange(20, dtype=torch.float).view(5, 4)
     x1 = torch.arange(12, dtype=torch.float).view(3, 4) + 100
@@ -292,7 +291,7 @@ def _v3_loss_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_v3_loss_uses_the_global_batch_with_labels_offset_by_rank(tmp_path):
-    mp.spawn(_v3_loss_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_v3_loss_worker, free_port(), str(tmp_path))
     r = [torch.load(tmp_path / f"v3_{i}.pt") for i in (0, 1)]
     keys = torch.cat([r[0]["k"], r[1]["k"]])
     for rank in (0, 1):

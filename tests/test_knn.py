@@ -9,10 +9,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers.data import ToyData
-from helpers.distributed import free_port
+from helpers.distributed import free_port, run_ranks
 from helpers.models import TinyNet
 from helpers.trainers import RecordingLogger, trainer
 from torch import nn
@@ -136,7 +135,6 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # a subprocess / several processes
 def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):
     bank_loader, val_loader = loaders()
     one = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10)
@@ -146,8 +144,7 @@ def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):
     limited = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10, max_bank_size=51)
     assert math.isclose(limited["acc1"], 10 / 21)
 
-    # fork: the children inherit the imports (spawn would re-import torch and Lightning, ~10 s each here)
-    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    run_ranks(_worker, 2, free_port(), str(tmp_path))
     for rank in range(2):
         two = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for key in ("loader", "iterable"):  # summed over ranks, not an average of per-rank accuracies

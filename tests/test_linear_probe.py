@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from helpers.data import ToyData
 from helpers.models import TinyNet
 from helpers.trainers import RecordingLogger, trainer
@@ -140,14 +139,13 @@ def _ddp_probe_worker(rank: int, port: str, out_dir: str) -> None:
         torch.save(train_probe(rank, 2), os.path.join(out_dir, f"probe{rank}.pt"))
 
 
-@pytest.mark.slow  # a subprocess / several processes
 def test_ddp_probe_averages_gradients_and_sums_validation_counts(tmp_path):
     """2 ranks (gloo), each with half of every batch: the probe's weights equal one process's on the whole batch (the
     mean gradient, all-reduced: the same probe on every rank) and the validation accuracy is over the 11 images of
     the split (each rank counts its share, the counts summed), not over one rank's share."""
-    from helpers.distributed import free_port
+    from helpers.distributed import free_port, run_ranks
 
-    mp.spawn(_ddp_probe_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_ddp_probe_worker, free_port(), str(tmp_path))
     ranks = [torch.load(tmp_path / f"probe{r}.pt") for r in (0, 1)]
     alone = train_probe(0, 1)
     assert torch.equal(ranks[0]["weight"], ranks[1]["weight"])

@@ -1,7 +1,6 @@
 import math
 import os
 
-import pytest
 import torch
 import torch.nn.functional as F
 from lightly.loss import NTXentLoss
@@ -97,14 +96,12 @@ def _end_to_end_batch():
     return F.normalize(torch.randn(6, 8, generator=g), dim=1), F.normalize(torch.randn(6, 8, generator=g), dim=1)
 
 
-@pytest.mark.slow  # a subprocess / several processes
 def test_end_to_end_keys_get_the_single_process_gradient_on_two_ranks(tmp_path):
     """In-batch negatives with gradients (the end-to-end mechanism): a rank's keys are negatives of the other rank's
     queries too, so their gradient on each rank is the whole batch's (x 2: DDP averages), not only this rank's share."""
-    import torch.multiprocessing as mp
-    from helpers.distributed import free_port
+    from helpers.distributed import free_port, run_ranks
 
-    mp.spawn(_end_to_end_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_end_to_end_worker, free_port(), str(tmp_path))
     q, k = _end_to_end_batch()
     k.requires_grad_()
     whole, _, _ = info_nce(q, k, None, temperature=0.2)

@@ -86,7 +86,13 @@ SHIPPED = {  # the shipped configs of the MoCo variants: what they must say
     "moco_v3_vit_small.yaml": dict(optimizer="adamw", lr=1.5e-4, weight_decay=0.1, warmup_epochs=40.0),
 }
 
-GROUPS = [pytest.param(m, marks=pytest.mark.xdist_group(m)) for m in METHODS]
+FAST = (
+    "moco_v2"  # the fast loop's column (`-m "not slow"`): every entry point for MoCo v2; the full suite, every method
+)
+GROUPS = [
+    pytest.param(m, marks=[pytest.mark.xdist_group(m)] + ([] if m == FAST else [pytest.mark.slow])) for m in METHODS
+]
+CLASSES = [n if n == "MoCo" else pytest.param(n, marks=pytest.mark.slow) for n in DEFAULTS]  # MoCo's in the fast loop
 
 
 def cls_of(method: str) -> type:
@@ -152,7 +158,7 @@ def printed_model(capsys, *args: str) -> dict:
     return yaml.safe_load(capsys.readouterr().out)["model"]
 
 
-@pytest.mark.parametrize("name", list(DEFAULTS))
+@pytest.mark.parametrize("name", CLASSES)
 def test_a_minimal_config_gets_the_papers_defaults(name, tmp_path, capsys):
     """``fit --print_config`` of a config naming only the class: its paper's defaults; ``from_config`` builds the
     same (#54.2: it gave every class MoCo's defaults where the config left them out)."""
@@ -447,7 +453,7 @@ FIXTURE_ARGS = {
 }
 
 
-@pytest.mark.parametrize("name", ["MoCo", "MoCoV3", "EndToEnd", "MemoryBankMoCo", "SimCLR", "BYOL", "SwAV"])
+@pytest.mark.parametrize("name", CLASSES)
 def test_a_checkpoint_of_the_previous_format_loads_resumes_and_exports(name, tmp_path):
     """Tiny checkpoints written by moco-lightning 0.2.0 (format 2, `moco-lightning fit`, 2 steps): MoCo v3,
     EndToEnd and MemoryBankMoCo ones could not be reloaded then; they load, resume and export now."""
@@ -592,7 +598,7 @@ def test_the_data_install_fetches_the_package_lists_first(tmp_path):
     assert "bash scripts/install_data.sh" in (root / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.xdist_group(m)) for m in ("moco_v2", "byol")])
+@pytest.mark.parametrize("method", [g for g in GROUPS if g.values[0] in ("moco_v2", "byol")])
 def test_last_ckpt_of_a_preempted_run_resumed_is_the_runs_last_step(method, tmp_path):
     """#54.1: SIGTERM inside the first epoch (before the checkpoint callback had saved ``last.ckpt``), then the same
     command with ``--ckpt_path last``: the run's end state was written to ``last-v1.ckpt`` and ``last.ckpt`` stayed at

@@ -2,10 +2,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers.data import tiny_data
-from helpers.distributed import free_port, gloo_rank
+from helpers.distributed import free_port, gloo_rank, run_ranks
 from helpers.models import tiny
 from helpers.resume import assert_resumes_bit_equal
 from helpers.trainers import cpu_trainer
@@ -61,11 +60,10 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save({"loss": loss.detach(), "grad": a.grad}, os.path.join(out_dir, f"simclr_{rank}.pt"))
 
 
-@pytest.mark.slow  # a subprocess / several processes
 def test_ddp_negatives_are_the_global_batch(tmp_path):
     """Two ranks of 3 images: each rank's loss uses all 2 x 6 - 2 = 10 negatives, and the mean over ranks is the
     loss of one process with the whole batch of 6; gradients flow through the gathered embeddings."""
-    mp.spawn(_gather_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_gather_worker, free_port(), str(tmp_path))
     r = [torch.load(tmp_path / f"simclr_{i}.pt") for i in (0, 1)]
     g = torch.Generator().manual_seed(0)
     z0, z1 = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)

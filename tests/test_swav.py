@@ -2,10 +2,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers.data import tiny_data
-from helpers.distributed import free_port, gloo_rank
+from helpers.distributed import free_port, gloo_rank, run_ranks
 from helpers.models import tiny
 from helpers.resume import assert_resumes_bit_equal
 from helpers.trainers import cpu_trainer
@@ -120,11 +119,10 @@ def _sinkhorn_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(codes, os.path.join(out_dir, f"codes_{rank}.pt"))
 
 
-@pytest.mark.slow  # a subprocess / several processes
 def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
     """Each rank's codes of its 4 images equal its rows of one process's codes of all 8: the equal partition over
     the prototypes is of the global batch."""
-    mp.spawn(_sinkhorn_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_ranks(_sinkhorn_worker, free_port(), str(tmp_path))
     scores = torch.randn(8, 10, generator=torch.Generator().manual_seed(0)).tanh()
     together = torch.cat([torch.load(tmp_path / f"codes_{i}.pt") for i in (0, 1)])
     torch.testing.assert_close(together, codes_by_hand(scores, 3, 0.05))

@@ -52,7 +52,7 @@ def embed_folder(
     from moco_lightning.datamodules.transforms import eval_transform
     from moco_lightning.downstream import pictures
     from moco_lightning.downstream.encoder import Encoder
-    from moco_lightning.downstream.features import embed
+    from moco_lightning.downstream.features import batches, embed
 
     if not Path(data).is_dir():
         raise ConfigError(f"--data {data}: not a folder; give the folder of your images (class folders or not)")
@@ -72,8 +72,9 @@ def embed_folder(
     workers = default_workers() if num_workers is None else num_workers
     loader = DataLoader(images, batch_size=batch_size, num_workers=workers)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batches = tqdm(loader, desc="embed", unit="batch", disable=None)  # a bar on a terminal, silent in a log
-    features, _ = embed(backbone.to(device), batches, device, gather=False, normalize=False)
+    # a bar on a terminal, silent in a log; around features.batches, which shuts the workers down at an error
+    progress = tqdm(batches(loader), total=len(loader), desc="embed", unit="batch", disable=None)
+    features, _ = embed(backbone.to(device), progress, device, gather=False, normalize=False)
     skipped = images.bad_images
     if skipped:
         print(f"embed: {len(skipped)} unreadable file(s) embedded as another image of the same class (their rows "

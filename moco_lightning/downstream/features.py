@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from moco_lightning.datamodules.loading import shut_down_workers
 from moco_lightning.modules.distributed import concat_all_gather, rank, world_size
 
 
@@ -48,7 +49,7 @@ def shard(loader: Iterable, rank_: int, world: int, limit: Optional[int] = None)
     if world > 1 and getattr(loader, "rank_shard", None) == (rank_, world):
         # already this rank's share (DALI's evaluation loaders: each rank decodes only its files); batches carry the
         # global index, so the first ``limit`` samples are the same as when sharding here
-        for batch in loader:
+        for batch in batches(loader):
             x, y = batch[0], batch[1]
             if limit is not None:
                 keep = torch.as_tensor(batch[2]) < limit
@@ -59,11 +60,11 @@ def shard(loader: Iterable, rank_: int, world: int, limit: Optional[int] = None)
     if world > 1 or limit is not None:
         rebuilt = _rebuild(loader, rank_, world, limit)
         if rebuilt is not None:
-            for batch in rebuilt:
+            for batch in batches(rebuilt):
                 yield batch[0], batch[1]
             return
     seen = 0
-    for i, batch in enumerate(loader):
+    for i, batch in enumerate(batches(loader)):
         if limit is not None and seen >= limit:
             return
         x, y = batch[0], batch[1]
@@ -72,6 +73,17 @@ def shard(loader: Iterable, rank_: int, world: int, limit: Optional[int] = None)
         seen += len(y)
         if i % world == rank_:
             yield x, y
+
+
+def batches(loader: Iterable) -> Iterator:
+    """The batches of ``loader``; a ``DataLoader``'s worker processes are shut down on the way out, at the end, at an
+    error (a worker's included) or when the caller stops early (:func:`~moco_lightning.datamodules.loading.
+    shut_down_workers`: an error otherwise came 5 s late)."""
+    iterator = iter(loader)
+    try:
+        yield from iterator
+    finally:
+        shut_down_workers(iterator)
 
 
 def _rebuild(loader: Iterable, rank_: int, world: int, limit: Optional[int]) -> Optional[DataLoader]:

@@ -8,6 +8,20 @@ import tempfile
 from typing import Callable, Union
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+mp.set_forkserver_preload(["torch", "lightning.pytorch", "moco_lightning", "moco_lightning.datamodules"])
+
+
+def run_ranks(worker: Callable, *args, nprocs: int = 2) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` processes; raises if one of them fails.
+
+    The processes are forked from a server process that imported torch, Lightning and moco-lightning once (started at
+    the first call in a test process): ~0.3 s a test where spawned interpreters import them again in each rank
+    (~5-10 s on 2 cores). Not forked from the test process itself: a rank forked from a pytest worker that had run
+    other tests (threads of their own) hung in its first torch operation. ``worker`` builds its tensors itself (the
+    arguments are paths and numbers): tensors passed in would be shared memory between the ranks."""
+    mp.start_processes(worker, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 @contextlib.contextmanager
