@@ -209,13 +209,20 @@ def operator_counts(fn: Callable[[], None]) -> tuple[int, int]:
 
 
 def section0(args) -> None:
-    from moco_lightning.modules.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import batch_norm_splits
 
     x = torch.randn(128, 64, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
-    layers = {"BatchNorm2d": nn.BatchNorm2d(64)}
-    layers.update({f"SplitBatchNorm2d, {s} splits": SplitBatchNorm2d(64, s) for s in (2, 8, 32)})
-    layers["per-split loop (before #53), 8 splits"] = LoopSplitBatchNorm2d(64, 8)
-    steps = {name: (lambda m=m: m(x).sum().backward()) for name, m in layers.items()}
+    bn = nn.BatchNorm2d(64)
+    steps = {"BatchNorm2d": lambda: bn(x).sum().backward()}
+    for s in (2, 8, 32):  # the GPU's path (fused), here on the CPU
+        steps[f"SplitBatchNorm2d, {s} splits"] = lambda s=s: (
+            batch_norm_splits(x, bn.weight, bn.bias, s, 1e-5, True)[0].sum().backward()
+        )
+    steps["SplitBatchNorm2d on a CPU (per split), 8 splits"] = lambda: (
+        batch_norm_splits(x, bn.weight, bn.bias, 8, 1e-5, False)[0].sum().backward()
+    )
+    loop = LoopSplitBatchNorm2d(64, 8)
+    steps["per-split loop (before #53), 8 splits"] = lambda: loop(x).sum().backward()
     counts = {name: operator_counts(fn) for name, fn in steps.items()}
     times = interleaved({n: (lambda f=f: time_per_call(f, 20)) for n, f in steps.items()}, args.repeats)
     base, base_t = counts["BatchNorm2d"][0], times["BatchNorm2d"]

@@ -1,6 +1,8 @@
 """Shuffle BN on one device (split BatchNorm): the key batch permuted before BatchNorm, the user's BatchNorm back after
 the fit, the batch checked against bn_splits."""
 
+import math
+
 import pytest
 import torch
 from helpers.data import tiny_data
@@ -85,6 +87,19 @@ def test_bn_splits_not_dividing_the_batch_fails_at_fit_start_naming_both_fields(
 
 
 # --- the layer itself: every sub-batch as BatchNorm2d on its own, at the cost of one BatchNorm -------------------
+@pytest.fixture(params=[True, False], ids=["fused", "per-split"])
+def path(request, monkeypatch):
+    """Both ways the layer computes its split, on the CPU: the fused one a GPU runs and the CPU's per-split one."""
+    import functools
+
+    from moco_lightning.modules import split_bn
+
+    monkeypatch.setattr(
+        split_bn, "batch_norm_splits", functools.partial(split_bn.batch_norm_splits, fused=request.param)
+    )
+    return request.param
+
+
 def reference(split, x: torch.Tensor):
     """What SplitBatchNorm2d computes, by definition: a BatchNorm2d (a copy of the layer's state) per contiguous
     sub-batch, the outputs concatenated, the running statistics the average of the copies'."""
@@ -122,7 +137,7 @@ def _layer(splits: int = 4, c: int = 6, **kwargs):
 @pytest.mark.parametrize(
     "settings", [{}, dict(momentum=None), dict(affine=False), dict(track_running_stats=False)], ids=str
 )
-def test_forward_backward_and_running_statistics_equal_a_batchnorm_per_sub_batch(seeded, memory_format, settings):
+def test_forward_backward_and_running_statistics_equal_a_batchnorm_per_sub_batch(seeded, path, memory_format, settings):
     layer = _layer(**settings)
     x = (torch.randn(16, 6, 5, 7) * 3 + 1.5).contiguous(memory_format=memory_format).requires_grad_()
     dy = torch.randn(16, 6, 5, 7)
@@ -154,7 +169,7 @@ def test_forward_backward_and_running_statistics_equal_a_batchnorm_per_sub_batch
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_under_bf16_autocast_it_matches_the_per_sub_batch_batchnorm(seeded, memory_format):
+def test_under_bf16_autocast_it_matches_the_per_sub_batch_batchnorm(seeded, path, memory_format):
     """A convolution's bf16 output normalised: output bf16 in the input's layout, within bf16's resolution of the
     per-sub-batch BatchNorm2d under the same autocast; fp32 gradients of the weights."""
     conv = nn.Conv2d(3, 6, 3, padding=1).to(memory_format=memory_format)
@@ -179,45 +194,70 @@ def test_under_bf16_autocast_it_matches_the_per_sub_batch_batchnorm(seeded, memo
         torch.testing.assert_close(g, r, rtol=3e-2, atol=3e-2 * r.abs().max().item())
 
 
-def split_bn_ops(splits: int, memory_format=torch.channels_last) -> int:
+def split_bn_ops(splits: int, memory_format=torch.channels_last, fused: bool = True) -> int:
     """Kernel operators of one forward + backward of a training-mode layer (``splits`` 0: BatchNorm2d) on
-    (128, 64, 8, 8), with the ``.sum().backward()`` around it."""
+    (128, 64, 8, 8), with the ``.sum().backward()`` around it; ``fused``: the GPU's path."""
     from benchmarks.step_overhead import kernel_ops
-    from moco_lightning.modules.split_bn import SplitBatchNorm2d
+    from moco_lightning.modules.split_bn import batch_norm_splits
 
-    layer = SplitBatchNorm2d(64, splits) if splits else nn.BatchNorm2d(64)
+    layer = nn.BatchNorm2d(64)
     x = torch.randn(128, 64, 8, 8).contiguous(memory_format=memory_format).requires_grad_()
-    return kernel_ops(lambda: layer(x).sum().backward())
+    if not splits:
+        return kernel_ops(lambda: layer(x).sum().backward())
+    return kernel_ops(lambda: batch_norm_splits(x, layer.weight, layer.bias, splits, 1e-5, fused)[0].sum().backward())
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
-def test_its_cost_does_not_grow_with_the_splits(memory_format):
+def test_its_cost_on_a_gpu_does_not_grow_with_the_splits(memory_format):
     """The per-split loop's operators grew with the splits (a BatchNorm forward and backward per split, a
-    concatenation, copies of the running statistics; #53): now the same operators for 2, 8 or 32 splits: the sums
-    and the normalisation over the activations, the backward's sums and dx, and small ones on the (splits, C)
-    statistics (benchmarks/step_overhead.py --sections 0 prints the profiler's count beside BatchNorm2d's)."""
+    concatenation, copies of the running statistics; #53): now the GPU's path runs the same operators for 2, 8
+    or 32 splits: the sums and the normalisation over the activations, the backward's sums and dx, and small ones on
+    the (splits, C) statistics (benchmarks/step_overhead.py --sections 0 prints the profiler's count beside
+    BatchNorm2d's)."""
     counts = {s: split_bn_ops(s, memory_format) for s in (2, 8, 32)}
     assert counts[2] == counts[8] == counts[32] <= 42, counts
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["gpu-path", "cpu-path"])
+def full_size_copies(fused: bool) -> list:
+    """The copies (``aten::_to_copy``: a dtype's change) of a (32, 8, 6, 6) tensor the size of the activations in a
+    bf16 forward + backward of the split, in the profiler's events (torch's kernels call them below Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moco_lightning.modules.split_bn import batch_norm_splits
+
+    x = torch.randn(32, 8, 6, 6).to(torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
+    layer = nn.BatchNorm2d(8)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        y = batch_norm_splits(x, layer.weight, layer.bias, 4, 1e-5, fused)[0]
+        y.backward(torch.ones_like(y))
+    assert y.dtype == x.grad.dtype == torch.bfloat16
+    return [e.name for e in prof.events() if e.name == "aten::_to_copy" and math.prod(e.input_shapes[0]) == x.numel()]
+
+
+def test_on_a_cpu_it_makes_no_float32_copy_of_bf16_activations():
+    """The fused path's fp32 sums of bf16 activations copy them to fp32 on a CPU (4 per layer and step: 20 % of the
+    demo's step); the CPU's path, BatchNorm's own kernel per sub-batch, accumulates in fp32 without a copy."""
+    assert len(full_size_copies(fused=True)) >= 4
+    assert full_size_copies(fused=False) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_statistics_of_each_path_equal_float64s(seeded, fused, dtype):
-    """Both ways of computing the sub-batches' statistics (a GPU's one Welford pass or its sums with an fp32
-    accumulator for bf16; a CPU's sums of x and x·x), on either device: fp32, against float64."""
+def test_the_gpu_paths_statistics_equal_float64s(seeded, dtype):
+    """The fused path's statistics of the sub-batches (one Welford pass in fp32, sums with an fp32 accumulator for
+    bf16), on the CPU: fp32, against float64."""
     from moco_lightning.modules.split_bn import _moments
 
     x = (torch.randn(16, 6, 5, 7) * 3 + 1.5).contiguous(memory_format=torch.channels_last).to(dtype)
     xs = x.view(4, 4, 6, 5, 7)
-    var, mean = _moments(xs, fused)
+    var, mean = _moments(xs)
     ref_var, ref_mean = torch.var_mean(xs.double(), dim=(1, 3, 4), correction=0, keepdim=True)
     assert var.dtype == mean.dtype == torch.float32 and var.shape == (4, 1, 6, 1, 1)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: x·x rounded to 8 bits before the fp32 sum (CPU path)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the input itself rounded to 8 bits
     torch.testing.assert_close(mean.double(), ref_mean, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(var.double(), ref_var, rtol=tol, atol=tol)
 
 
-def test_an_inplace_relu_after_it_backpropagates_as_after_batchnorm(seeded):
+def test_an_inplace_relu_after_it_backpropagates_as_after_batchnorm(seeded, path):
     """torchvision's blocks apply ReLU(inplace=True) to the BatchNorm's output: allowed, and the same gradients."""
     layer, ref_layer = _layer(), _layer()
     ref_layer.load_state_dict(layer.state_dict())
