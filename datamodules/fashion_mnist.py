@@ -41,8 +41,12 @@ def read_idx(path: Path) -> np.ndarray:
     try:
         stat = path.stat()
     except OSError as e:
-        raise ConfigError(f"{path}: cannot be read as an IDX file ({e}); delete it and get the dataset again") from None
+        raise _unreadable(path, e) from None
     return _read_idx(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def _unreadable(path: Path, error: Exception) -> ConfigError:
+    return ConfigError(f"{path}: cannot be read as an IDX file ({error}); delete it and get the dataset again")
 
 
 @functools.lru_cache(maxsize=8)  # Fashion-MNIST's four files, twice over
@@ -53,7 +57,7 @@ def _read_idx(name: str, size: int, mtime_ns: int) -> np.ndarray:
         with opener(path, "rb") as f:
             data = f.read()
     except (OSError, EOFError) as e:
-        raise ConfigError(f"{path}: cannot be read as an IDX file ({e}); delete it and get the dataset again") from None
+        raise _unreadable(path, e) from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
         raise ConfigError(f"{path}: not an unsigned-byte IDX file (bad magic number)")
     ndim = data[3]

@@ -40,6 +40,17 @@ def test_truncated_file_is_named(tmp_path):
         read_idx(path)
 
 
+@pytest.mark.parametrize("case", ["missing", "not gzip"])
+def test_an_unreadable_file_is_named_with_what_to_do(tmp_path, case):
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    if case == "not gzip":
+        path.write_bytes(b"\x00\x00\x08\x03 not gzip data")
+    with pytest.raises(
+        ValueError, match=r"train-images-idx3-ubyte.gz: cannot be read as an IDX file .*get the dataset again"
+    ):
+        read_idx(path)
+
+
 def test_batch_larger_than_the_data_is_a_clear_error(tmp_path):
     fake_fashion(tmp_path)
     with pytest.raises(ValueError, match=r"batch_size=64 is larger than the 40 training images"):
