@@ -20,7 +20,8 @@ The model is a config's (default ``configs/fashion_mnist_moco_v2.yaml``: ResNet-
    - MoCo under ``Trainer.fit``: the real loop (logging every step, cosine lr), fed the same tensors by a free loader.
    At the start of each cycle a callback times ``--steps`` steps of the bare work and of the module step (order
    alternating), then the fit runs ``--steps`` timed steps. Medians over ``--repeats`` cycles; ratios paired per
-   cycle. Goal: module step / bare <= 1.05.
+   cycle. Goal: module step / bare <= 1.05. Every case runs at ``--precision`` (default ``auto``: what the CLI's
+   ``precision: auto`` picks here; bf16 autocast for the direct calls, the Trainer's ``precision`` for the fit).
 2. K 4096 vs 65536: the module step at both (the InfoNCE against the queue grows with K).
 3. The momentum update: ours (one ``torch._foreach_lerp_``), lightly's ``update_momentum``, the official
    per-parameter loop.
@@ -28,6 +29,7 @@ The model is a config's (default ``configs/fashion_mnist_moco_v2.yaml``: ResNet-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from typing import Callable, Dict, List
@@ -65,12 +67,14 @@ def views(dm, seed: int) -> tuple[Tensor, Tensor]:
     return x_q.contiguous(), x_k.contiguous()
 
 
-def module_step(model, opt, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
-    """One MoCo step as Lightning's automatic optimisation runs it (zero_grad, step, backward, optimizer, end hook)."""
+def module_step(model, opt, x_q: Tensor, x_k: Tensor, cast=contextlib.nullcontext) -> Callable[[], None]:
+    """One MoCo step as Lightning's automatic optimisation runs it (zero_grad, step, backward, optimizer, end hook);
+    ``cast``: the forward's precision context (a new one each step, as Lightning's precision plugin enters it)."""
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)
-        out = model.views_loss([x_q, x_k])
+        with cast():
+            out = model.views_loss([x_q, x_k])
         out["loss"].backward()
         opt.step()
         model.momentum_copy.update(model, model.hparams.momentum)
@@ -79,7 +83,7 @@ def module_step(model, opt, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
     return run
 
 
-def bare_step(model, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
+def bare_step(model, x_q: Tensor, x_k: Tensor, cast=contextlib.nullcontext) -> Callable[[], None]:
     """The encoder work of the same step in plain PyTorch: copies of the module's backbone and head, plain BN."""
     from moco_lightning.modules.split_bn import revert_split_bn
 
@@ -90,9 +94,10 @@ def bare_step(model, x_q: Tensor, x_k: Tensor) -> Callable[[], None]:
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)
-        qq = F.normalize(q(layout(x_q)), dim=1)
-        with torch.no_grad():
-            kk = F.normalize(k(layout(x_k)), dim=1)
+        with cast():
+            qq = F.normalize(q(layout(x_q)), dim=1)
+            with torch.no_grad():
+                kk = F.normalize(k(layout(x_k)), dim=1)
         (-(qq * kk).sum(1).mean()).backward()
         opt.step()
 
@@ -115,13 +120,18 @@ class SameBatch(Dataset):
 def section1(args) -> None:
     import lightning.pytorch as pl
 
+    from moco_lightning.training.precision import auto_precision
+
+    precision = auto_precision("cpu", verbose=False) if args.precision == "auto" else args.precision
+    bf16 = precision == "bf16-mixed"
+    cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     model, dm, opt = setup_model(args)
     plain, _, plain_opt = setup_model(args, "--model.shuffle_bn=off")
     x_q, x_k = views(dm, args.seed)
     cases = {
-        "bare encoder work": bare_step(model, x_q, x_k),
-        f"MoCo module step, split BN ({model.hparams.bn_splits})": module_step(model, opt, x_q, x_k),
-        "MoCo module step, plain BN": module_step(plain, plain_opt, x_q, x_k),
+        "bare encoder work": bare_step(model, x_q, x_k, cast),
+        f"MoCo module step, split BN ({model.hparams.bn_splits})": module_step(model, opt, x_q, x_k, cast),
+        "MoCo module step, plain BN": module_step(plain, plain_opt, x_q, x_k, cast),
     }
     for fn in cases.values():  # warm-up: optimizer state, kernel choices
         fn()
@@ -146,8 +156,9 @@ def section1(args) -> None:
     max_steps = warmup + args.repeats * steps + 1
     batch = ([x_q, x_k], torch.zeros(len(x_q), dtype=torch.long), torch.arange(len(x_q)))
     loader = DataLoader(SameBatch(batch, max_steps * len(x_q)), batch_size=len(x_q), collate_fn=lambda b: b)
-    pl.Trainer(**trainer_kwargs(max_steps, [Cycle()])).fit(fit_model, train_dataloaders=loader)
-    print(f"== 1. MoCo step vs the bare encoder work ({args.config}; {args.repeats} cycles of {steps} steps) ==")
+    pl.Trainer(**trainer_kwargs(max_steps, [Cycle()], precision=precision)).fit(fit_model, train_dataloaders=loader)
+    cycles = f"{args.repeats} cycles of {steps} steps"
+    print(f"== 1. MoCo step vs the bare encoder work ({args.config}, {precision}; {cycles}) ==")
     base = results["bare encoder work"]
     print_table(
         [[n, spread(v, 1, "{:.3f}"), f"{paired_ratio(v, base):.3f}"] for n, v in results.items()],
@@ -293,6 +304,7 @@ def main(argv=None) -> None:
     p.add_argument("--sections", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=3, help="steps per measurement")
+    p.add_argument("--precision", default="auto", help="section 1: auto (the CLI's pick here), 32-true or bf16-mixed")
     p.set_defaults(threads=1)
     args = p.parse_args(argv)
     quiet()

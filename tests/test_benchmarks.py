@@ -138,6 +138,33 @@ def test_step_overhead_sections():
     assert counts["per-split loop (before #53), 8 splits"] > 2 * counts["SplitBatchNorm2d, 8 splits"], counts
 
 
+def test_step_overhead_enters_the_precision_context_once_per_step():
+    """Each timed step enters its own autocast, as Lightning's precision plugin does: one context held over many
+    steps keeps its bf16 copies of weights that the optimizer has since changed (a stale, faster step)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from benchmarks.step_overhead import bare_step
+
+    entered = []
+
+    @contextlib.contextmanager
+    def cast():
+        entered.append(torch.is_grad_enabled())
+        yield
+
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    model = SimpleNamespace(backbone=net, projection_head=nn.Linear(4, 8), in_layout=lambda x: x)
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    step = bare_step(model, x, x.flip(0), cast)
+    for _ in range(3):
+        step()
+    assert entered == [True, True, True]
+
+
 def test_data_throughput_paths():
     out = run(
         "data_throughput.py",
