@@ -136,6 +136,16 @@ def trainer_kwargs(max_steps: int, callbacks: list, **extra) -> dict:
     return kw
 
 
+def forward_context(precision: str, device: str = "cpu") -> Callable:
+    """The forward's precision context as ``Trainer(precision=precision)`` enters it, a factory: Lightning's own
+    plugin (``torch.autocast`` with its weight-cast cache off under ``*-mixed``, nothing otherwise). Enter a new one
+    for each step's forward: a cached autocast held over many steps would reuse bf16 copies of weights the optimizer
+    has since changed (a stale, faster step than training runs)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    return (MixedPrecision(precision, device) if precision.endswith("-mixed") else Precision()).forward_context
+
+
 # --- data and evaluation --------------------------------------------------------------------------------------
 def fashion_mnist(split: str) -> tuple[Tensor, Tensor]:
     """uint8 images (N, 1, 28, 28) and int64 labels of the ``"train"`` (60k) or ``"test"`` (10k) split."""

@@ -46,7 +46,7 @@ def dali_missing() -> Optional[str]:
 
 def check_throughput(device: str, size: dict, deadline: float) -> Result:
     """Images/s of the encoder work, the fit step, the data paths and fit with each (module docstring)."""
-    from benchmarks._common import config_path, from_config
+    from benchmarks._common import config_path, forward_context, from_config
     from benchmarks.step_overhead import SameBatch, bare_step
 
     out, n, steps, warm = {}, size["big_batch"], size["bench_steps"], size["warmup"]
@@ -76,9 +76,7 @@ def check_throughput(device: str, size: dict, deadline: float) -> Result:
         batch = next(iter(dm.train_dataloader()))
         views = [v.to(device) for v in dm.views(batch[0].to(device), torch.Generator(device=device).manual_seed(0))]
         model = model.to(device).to(memory_format=torch.channels_last)
-        # autocast entered per step (as Lightning does): one context over many steps would reuse its cached bf16
-        # copies of weights the optimizer has since changed, a faster step than training runs
-        step = bare_step(model, *views, lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"))
+        step = bare_step(model, *views, forward_context("bf16-mixed" if device == "cuda" else "32-true", device))
         for _ in range(warm):
             step()
         sync(device)

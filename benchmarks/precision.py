@@ -18,12 +18,11 @@ warm-up, untimed), each against the shipped setting (``precision: auto``'s pick,
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
-from benchmarks._common import config_path, footer, from_config, header, parser, print_table, quiet
+from benchmarks._common import config_path, footer, forward_context, from_config, header, parser, print_table, quiet
 from benchmarks.timing import interleaved, paired_ratio, spread
 
 STEMS = ("imagenet", "cifar_stride2", "cifar")
@@ -41,9 +40,7 @@ def step_timer(stem: str, precision: str, batch: int, steps: int, channels_last:
             module.compile(backend=compiled)
     opt = torch.optim.SGD([p for m in model.trained_modules() for p in m.parameters()], lr=0.01, momentum=0.9)
     views = [torch.randn(batch, 1, 28, 28).contiguous(memory_format=layout) for _ in range(2)]
-    cast = (
-        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16-mixed" else contextlib.nullcontext
-    )
+    cast = forward_context(precision)
 
     def step() -> None:
         with cast():

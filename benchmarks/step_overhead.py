@@ -21,7 +21,8 @@ The model is a config's (default ``configs/fashion_mnist_moco_v2.yaml``: ResNet-
    At the start of each cycle a callback times ``--steps`` steps of the bare work and of the module step (order
    alternating), then the fit runs ``--steps`` timed steps. Medians over ``--repeats`` cycles; ratios paired per
    cycle. Goal: module step / bare <= 1.05. Every case runs at ``--precision`` (default ``auto``: what the CLI's
-   ``precision: auto`` picks here; bf16 autocast for the direct calls, the Trainer's ``precision`` for the fit).
+   ``precision: auto`` picks here): the Trainer's ``precision`` for the fit, its plugin's forward context entered
+   per step for the direct calls.
 2. K 4096 vs 65536: the module step at both (the InfoNCE against the queue grows with K).
 3. The momentum update: ours (one ``torch._foreach_lerp_``), lightly's ``update_momentum``, the official
    per-parameter loop.
@@ -39,7 +40,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks._common import config_path, footer, from_config, header, parser, print_table, quiet, trainer_kwargs
+from benchmarks._common import (
+    config_path,
+    footer,
+    forward_context,
+    from_config,
+    header,
+    parser,
+    print_table,
+    quiet,
+    trainer_kwargs,
+)
 from benchmarks.timing import interleaved, paired_ratio, spread, time_per_call
 
 
@@ -69,7 +80,7 @@ def views(dm, seed: int) -> tuple[Tensor, Tensor]:
 
 def module_step(model, opt, x_q: Tensor, x_k: Tensor, cast=contextlib.nullcontext) -> Callable[[], None]:
     """One MoCo step as Lightning's automatic optimisation runs it (zero_grad, step, backward, optimizer, end hook);
-    ``cast``: the forward's precision context (a new one each step, as Lightning's precision plugin enters it)."""
+    ``cast``: a factory of the forward's precision context (:func:`benchmarks._common.forward_context`)."""
 
     def run() -> None:
         opt.zero_grad(set_to_none=True)
@@ -123,8 +134,7 @@ def section1(args) -> None:
     from moco_lightning.training.precision import auto_precision
 
     precision = auto_precision("cpu", verbose=False) if args.precision == "auto" else args.precision
-    bf16 = precision == "bf16-mixed"
-    cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    cast = forward_context(precision)
     model, dm, opt = setup_model(args)
     plain, _, plain_opt = setup_model(args, "--model.shuffle_bn=off")
     x_q, x_k = views(dm, args.seed)
