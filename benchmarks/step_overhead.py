@@ -64,7 +64,7 @@ def setup_model(args, *overrides: str):
         world_size=1, strategy=SimpleNamespace(_layer_sync=None), global_step=0, training=True, precision="32-true",
         train_dataloader=SimpleNamespace(batch_size=dm.batch_size), accumulate_grad_batches=1,  # for check_fit
     )  # fmt: skip
-    model.setup("fit")
+    model.prepare_run("fit")
     model.trainer = None
     model.train()
     lr = model.hparams.lr * dm.batch_size / 256

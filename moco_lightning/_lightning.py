@@ -19,6 +19,10 @@ attribute of Lightning.
   at a step boundary (:mod:`moco_lightning.training.preemption`; Lightning runs it inside the signal handler, mid-step).
 - ``ModelCheckpoint._last_global_step_saved`` / ``_save_last_checkpoint`` / ``_monitor_candidates``: the last step
   of a run in ``last.ckpt`` (:func:`save_last_now`).
+- the tuners' checkpoint names (``.lr_find_*.ckpt``, ``.scale_batch_size_*.ckpt``): a tuner restoring the module it
+  saved a moment before is not a resumed run (:func:`restoring_tuner_checkpoint`).
+- ``LearningRateFinder._attr_name``: which attribute ``lr_find(update_attr=True)`` writes its suggestion to
+  (:func:`lr_finder_attribute`).
 - ``LightningModule._trainer``: whether a Trainer runs the module (:func:`attached_trainer`; ``module.trainer``
   raises outside a fit).
 - ``core.saving._load_state``: build a module from a checkpoint already read (``load_from_checkpoint`` minus
@@ -49,6 +53,31 @@ def load_pending_loader_states(trainer: Any) -> None:
     fit_loop = getattr(trainer, "fit_loop", None)
     if fit_loop is not None and getattr(fit_loop, "_combined_loader_states_to_load", None):
         fit_loop._load_combined_loader_states()
+
+
+TUNER_CHECKPOINTS = (".lr_find_", ".scale_batch_size_")  # lightning/pytorch/tuner: the names of their checkpoints
+
+
+def restoring_tuner_checkpoint(trainer: Any) -> bool:
+    """Whether the checkpoint being restored is a tuner's (``lr_find``, ``scale_batch_size``, ``BatchSizeFinder``):
+    the state of the module before the tuner's trial steps, restored after them; not a run to resume."""
+    import os
+
+    return os.path.basename(str(trainer.ckpt_path or "")).startswith(TUNER_CHECKPOINTS)
+
+
+def lr_finder_attribute(trainer: Any, redirect: str) -> Optional[str]:
+    """The attribute a ``LearningRateFinder`` of ``trainer`` (``Tuner.lr_find`` adds one) writes its suggestion to
+    when ``update_attr`` is on: ``redirect`` where it would search (``attr_name=""``), else the name the user gave
+    it; None without such a finder."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, LearningRateFinder) and callback._update_attr:
+            if not callback._attr_name:
+                callback._attr_name = redirect
+            return callback._attr_name
+    return None
 
 
 def attached_trainer(module: Any) -> Any:

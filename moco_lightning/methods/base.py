@@ -1,19 +1,20 @@
 """What every pretraining module of this library shares, so that each method's own file holds only its algorithm.
 
 :class:`Pretraining` owns the backbone (``forward(x)`` returns its features: the evaluation callbacks, linear
-evaluation and export need nothing else), hands the optimizer and the schedules to :mod:`moco_lightning.training.plan`,
-the non-finite-loss check to :mod:`moco_lightning.training.nan_guard`, a preemption to
-:mod:`moco_lightning.training.preemption`, and the checkpoint's metadata, checks and resume state to
-:mod:`moco_lightning.training.run_state`. What a fit's settings must agree on is checked in one hook,
-:meth:`Pretraining.check_fit`.
+evaluation and export need nothing else) and hands the optimizer and the schedules to
+:mod:`moco_lightning.training.plan`. The run's machinery (the fit-start set-up, safe checkpoint reads, the NaN stop,
+preemption, exact resume, the checkpoint's entry, ``last.ckpt``) are callbacks, :mod:`moco_lightning.run`, which
+:meth:`Pretraining.configure_callbacks` brings: a subclass that overrides ``setup``, ``on_train_start``,
+``on_save_checkpoint`` or ``on_train_end`` without ``super()`` loses none of it. What a fit's settings must agree on
+is checked in one method, :meth:`Pretraining.check_fit`.
 
 One step protocol for every method: :meth:`Pretraining.training_step` splits the batch into views and calls the
 method's :meth:`~Pretraining.views_loss`, which returns the loss, the features for the callbacks, what it logs
 beside the loss and what its dictionary keeps of the step; after the optimizer step (``on_train_batch_end``) the
 optional momentum copy (:attr:`Pretraining.momentum_copy`: MoCo's key encoder, BYOL's target) moves and the optional
-dictionary (:attr:`Pretraining.dictionary`: MoCo's queue, a memory bank) stores the keys of every rank. A method
-subclasses it, builds its heads in ``__init__``, lists its trained modules in :meth:`trained_modules` and writes
-:meth:`views_loss`.
+dictionary (:attr:`Pretraining.dictionary`: MoCo's queue, a memory bank) stores the keys of every rank (the one
+module hook the design keeps; an override without ``super()`` is named at the next step). A method subclasses it,
+builds its heads in ``__init__``, lists its trained modules in :meth:`trained_modules` and writes :meth:`views_loss`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from moco_lightning import _lightning
-from moco_lightning.errors import check_arguments
+from moco_lightning import _lightning, run
+from moco_lightning.errors import ConfigError, check_arguments
 from moco_lightning.modules.backbones import build_backbone, is_backbone_spec
 from moco_lightning.modules.batches import is_views_batch, split_views
 from moco_lightning.modules.distributed import concat_all_gather, end_process_group_at_exit, equal_batches, world_size
@@ -34,14 +35,12 @@ from moco_lightning.modules.momentum import MomentumCopy
 from moco_lightning.modules.negatives import Negatives
 from moco_lightning.training import plan, run_state
 from moco_lightning.training.checkpoint import SafeLoading
-from moco_lightning.training.checkpoint_io import load_checkpoints_safely
 from moco_lightning.training.compat import warn_cifar_stem
-from moco_lightning.training.continuity import Continuing
 from moco_lightning.training.nan_guard import NanGuard, likely_causes
 from moco_lightning.training.preemption import Preemption
 
 
-class Pretraining(SafeLoading, Continuing, LightningModule):
+class Pretraining(SafeLoading, LightningModule):
     """Base of the pretraining modules.
 
     Args:
@@ -67,6 +66,9 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         compile: compile the encoders and heads with ``torch.compile`` at fit start (``nn.Module.compile``: in place,
             the parameters, buffers and state-dict keys stay the module's own, so the momentum update, the queue
             and checkpoints are unchanged). ``compile_backend``: torch.compile's backend (``"inductor"``).
+        run_callbacks: bring the run's machinery (:mod:`moco_lightning.run`: safe and checked checkpoint reads, the NaN
+            stop, preemption, bit-equal resume, the checkpoint's entry, ``last.ckpt`` at the end) through
+            ``configure_callbacks``; ``False``: a plain Lightning run (the method's own set-up, ``FitSetup``, stays).
     """
 
     #: settings that change the shape of the weights: a checkpoint must agree on them (subclasses add theirs)
@@ -92,6 +94,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         compile: bool = False,
         compile_backend: str = "inductor",
         stem: Optional[Literal["imagenet", "cifar", "cifar_stride2"]] = None,
+        run_callbacks: bool = True,
     ) -> None:
         super().__init__()
         check_arguments(type(self).__name__, Pretraining.__init__, locals())
@@ -108,7 +111,9 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         self.momentum_copy: Optional[MomentumCopy] = None  # MoCo's key encoder, BYOL's target network
         self.dictionary: Optional[Negatives] = None  # where stored negatives live: MoCo's queue, a memory bank
         self._stored: tuple = ()  # what the dictionary keeps of this step (all ranks' rows), after the optimizer step
-        self._resume: dict = {}  # what the checkpoint being restored holds for the run: RNG states, step plan
+        self.resume_state: dict = {}  # what a checkpoint being restored holds for the run: RNG states, step plan
+        self._prepared = False  # FitSetup prepared this fit (the first training step checks)
+        self._unfinished = False  # a training step ran whose finish_step has not
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
         self._stepped = 0  # global_step when optimizer_stepped() last said so
 
@@ -122,7 +127,28 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         return x.contiguous(memory_format=torch.channels_last) if self.hparams.channels_last and x.ndim == 4 else x
 
     def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return self(batch[0] if isinstance(batch, (list, tuple)) else batch)
+        """Backbone features of a batch of images (``images`` or ``(images, ...)``)."""
+        x = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if not torch.is_floating_point(x):
+            raise ConfigError(
+                f"{type(self).__name__}.predict_step: the images are {x.dtype}, not normalised floats: a "
+                "moco-lightning datamodule's loaders give raw uint8 images that its on_after_batch_transfer "
+                "normalises on the device, which runs only when the datamodule is given: trainer.predict(model, "
+                "datamodule=dm), or loaders of normalised float images"
+            )
+        return self(x)
+
+    def unfreeze(self) -> None:
+        """Every trained parameter trainable again; what the method keeps frozen (momentum copies, a frozen patch
+        embedding) stays frozen (Lightning's ``unfreeze`` would make it trainable: DDP then stops on parameters
+        without gradients, and the optimizer would decay them)."""
+        super().unfreeze()
+        for module in self.frozen_modules():
+            module.requires_grad_(False)
+
+    def frozen_modules(self) -> list[nn.Module]:
+        """What is never trained by gradients: the momentum copies (a method adds its own)."""
+        return [getattr(self, name) for name in self.momentum_copies().values()]
 
     def trained_modules(self) -> list[nn.Module]:
         """The modules whose parameters the optimizer trains (a subclass adds its heads)."""
@@ -146,54 +172,82 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         buffers = self.dictionary.named_buffers() if self.dictionary is not None else ()
         return [f"dictionary.{name}" for name, _ in buffers]
 
-    # --- fit start / end --------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        load_checkpoints_safely(self.trainer)  # before the Trainer restores a ckpt_path
+    # --- the run around the algorithm -----------------------------------------------------------
+    def configure_callbacks(self) -> list:
+        """The run's machinery (:mod:`moco_lightning.run`): :class:`~moco_lightning.run.FitSetup` always, the rest
+        unless ``run_callbacks=False``; a type the Trainer holds an instance of already (the user's own) is left out.
+        A subclass that adds callbacks returns ``[*super().configure_callbacks(), *its_own]``."""
+        kinds = (run.FitSetup, *(run.PRETRAINING if self.hparams.get("run_callbacks", True) else ()))
+        return run.missing(self.trainer, kinds)
+
+    def prepare_run(self, stage: str) -> None:
+        """:class:`~moco_lightning.run.FitSetup`'s ``setup``: for any stage, the buffers DDP must not re-broadcast and
+        the process group's end at exit; for a fit, the fit-start checks (:meth:`check_fit`: before a checkpoint is
+        restored, a callback evaluates or a step runs), channels-last and compile. A method adds its own set-up
+        (MoCo's shuffle BN) after ``super()``'s."""
         end_process_group_at_exit()
         _lightning.keep_out_of_ddp_broadcast(self, self.dictionary_buffers())
         if stage != "fit":
             return
         self.check_fit()
+        plan.redirect_lr_finder(self)
         if self.hparams.channels_last:
             self.to(memory_format=torch.channels_last)
         if self.hparams.compile and not getattr(self, "_compiled", False):
             for module in self.compiled_modules():
                 module.compile(backend=self.hparams.compile_backend)
             self._compiled = True
+        self._prepared, self._unfinished = True, False
+
+    def end_run(self, stage: str) -> None:
+        """:class:`~moco_lightning.run.FitSetup`'s ``teardown``: what :meth:`prepare_run` set up for a fit undone
+        where it must be (a method's own)."""
+        if stage == "fit":
+            self._prepared = False
 
     def check_fit(self) -> None:
-        """The fit-start checks (``setup("fit")``: before a checkpoint is restored, a callback evaluates or a step
-        runs): what the trainer, the data and the settings must agree on. A method adds its own after ``super()``'s."""
+        """The fit-start checks: what the trainer, the data and the settings must agree on. A method adds its own
+        after ``super()``'s."""
         self.nan_guard.check_trainer(self.trainer)
         if self.momentum_copy is not None:
             self.momentum_copy.refuse_half_precision(self)
         plan.check_batch_size(self)  # loads the training data
+        plan.check_accumulation(self)
 
-    def on_fit_start(self) -> None:
-        for name in self.dictionary_buffers() if world_size() > 1 else ():  # equal on every rank, without a seed
+    def sync_dictionary(self) -> None:
+        """At fit start (:class:`~moco_lightning.run.FitSetup`): the dictionary's buffers equal on every rank, without a
+        seed."""
+        for name in self.dictionary_buffers() if world_size() > 1 else ():
             dist.broadcast(self.get_buffer(name), src=0)
 
-    def on_train_start(self) -> None:
+    def begin_training(self) -> None:
+        """At ``on_train_start`` (:class:`~moco_lightning.run.FitSetup`): what the steps need of the loader and the
+        restored step."""
         self._equal_batches = equal_batches(self.trainer.train_dataloader)
-        run_state.continue_run(self, self._resume)  # RNG states, the loader's position, the schedules
-        self._resume = {}
         self._stepped = self.global_step
-        self.preemption.install(self.trainer)
-        self.nan_guard.reset()
+
+    def check_checkpoint(self, checkpoint: dict, resuming: bool = False) -> None:
+        """A checkpoint read for this module, before its weights meet it
+        (:func:`~moco_lightning.training.run_state.check_checkpoint`)."""
+        run_state.check_checkpoint(self, checkpoint, resuming)
 
     def optimizer_stepped(self) -> bool:
         """True once after each optimizer step (not after a gradient-accumulation micro-batch): for momentum updates."""
         stepped, self._stepped = self.global_step != self._stepped, self.global_step
         return stepped
 
+    def check_step_finished(self) -> None:
+        """The hooks a step relies on ran: :class:`~moco_lightning.run.FitSetup` before the first step, the module's
+        ``on_train_batch_end`` after each; else one line naming the hook (at the next step and at the end of
+        training: two flags, no read of the device)."""
+        if (not self._prepared and self.attached_trainer() is not None) or self._unfinished:
+            hook = "on_train_batch_end" if self._prepared else "configure_callbacks"
+            raise ConfigError(run.hook_not_run(type(self).__name__, hook))
+
     @property
     def _equal_sizes(self) -> bool:
         """Every rank's training batch has the same size (validation loaders may end unevenly: sizes exchanged)."""
         return self._equal_batches and self.training
-
-    def on_train_end(self) -> None:
-        self.nan_guard.check(self.preemption.signum)
-        super().on_train_end()  # the run's last step in last.ckpt
 
     # --- a step ---------------------------------------------------------------------------------
     #: False: the pretext loss means nothing on held-out images (MemoryBankMoCo: they have no row in the bank);
@@ -216,6 +270,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         raise NotImplementedError(f"{type(self).__name__}.views_loss")
 
     def training_step(self, batch: Any, batch_idx: int) -> Optional[dict[str, Tensor]]:
+        self.check_step_finished()
         views, index = self.split_batch(batch)
         out = self.views_loss(views, index)
         if not self.loss_is_usable(out["loss"], batch_idx, views):
@@ -223,6 +278,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         # What the dictionary keeps is gathered from all ranks here, where every rank runs the same code: the
         # momentum update and the store after the optimizer step are then local, and so is a checkpoint save.
         self._stored = tuple(concat_all_gather(rows, self._equal_sizes) for rows in out.pop("stored", ()))
+        self._unfinished = self.momentum_copy is not None or bool(self._stored)  # finish_step's work is due
         self.log_step("train", out, on_step=True, on_epoch=False)
         self.log_lr(**(self.momentum_copy.scalars(self) if self.momentum_copy is not None else {}))
         return {key: out[key] for key in ("loss", "features", "q", "k") if key in out}
@@ -247,7 +303,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         # read on the host only when Lightning reads its logged metrics: every log_every_n_steps steps (at most 100)
         every = min(max(1, self.trainer.log_every_n_steps), self.nan_guard.MAX_UNREAD)
         check = (self.global_step + 1) % every == 0
-        return self.nan_guard.usable(loss, where, self.nan_hints, views, check, self.preemption.signum)
+        return self.nan_guard.usable(loss, where, self.nan_hints, views, check)
 
     def nan_hints(self) -> str:
         """The likely causes of a non-finite loss, named in the guard's error."""
@@ -255,8 +311,9 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
 
     # --- after the optimizer step: momentum updates, dictionaries ------------------------------
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the optimizer step: :meth:`finish_step` (the design's one essential module hook; an override without
+        ``super()`` is named at the next step)."""
         self.finish_step()
-        self.preemption.after_step(self, self.nan_guard.agreed)  # a stop asked for: save this step, exit
 
     def finish_step(self) -> None:
         """What follows a training step: the momentum update (only after a real optimizer step, not a gradient
@@ -266,6 +323,7 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
         if self._stored:
             self.dictionary.store(*self._stored, step=self.global_step)
             self._stored = ()
+        self._unfinished = False
 
     # --- logging ----------------------------------------------------------------------------
     def log_lr(self, **extra: float) -> None:
@@ -280,20 +338,29 @@ class Pretraining(SafeLoading, Continuing, LightningModule):
     # --- optimizer and schedules ----------------------------------------------------------------
     def configure_optimizers(self) -> dict:
         # resuming (not a model loaded with load_from_checkpoint and trained anew): the plan the run was written with
-        config, self.step_plan = plan.configure_optimizers(
-            self, self._resume.get("plan") if self.trainer.ckpt_path else None
-        )
+        resuming = self.trainer.ckpt_path and not _lightning.restoring_tuner_checkpoint(self.trainer)
+        config, self.step_plan = plan.configure_optimizers(self, self.resume_state.get("plan") if resuming else None)
         return config
+
+    @property
+    def optimizer_lr(self) -> float:
+        """The optimizer's peak lr, ``lr`` × global batch / 256 (``lr`` is per 256 images); setting it sets ``lr``:
+        ``Tuner.lr_find(update_attr=True)`` writes its suggestion here (:func:`~moco_lightning.training.plan.
+        redirect_lr_finder`), so the fit trains at the suggested lr."""
+        return self.hparams.lr * plan.global_batch_size(self) / 256
+
+    @optimizer_lr.setter
+    def optimizer_lr(self, value: float) -> None:
+        _lightning.record_hyperparameters(self, lr=float(value) * 256 / plan.global_batch_size(self))
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The checkpoint's entry where :class:`~moco_lightning.run.CheckpointEntry` did not write it (a weights-only
+        save, which runs no callback's hook; a save outside a fit): a fallback, not needed by a subclass's override."""
+        if "moco_lightning" not in checkpoint:
+            run_state.save_state(self, checkpoint)
 
     def planned_step(self, step: int) -> tuple[float, float]:
         """``(position of step on the planned schedule, planned steps)``: what the momentum schedules follow."""
         if self.step_plan is None:  # before configure_optimizers
             return float(step), self.trainer.estimated_stepping_batches
         return self.step_plan.position(step), self.step_plan.planned
-
-    # --- checkpoints ------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        run_state.save_state(self, checkpoint)
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._resume = run_state.restore_state(self, checkpoint)

@@ -33,7 +33,13 @@ from moco_lightning.modules.heads import projection_head
 from moco_lightning.modules.loss import gather_keys, info_nce, pretext_metrics
 from moco_lightning.modules.momentum import MomentumCopy
 from moco_lightning.modules.negatives import Negatives
-from moco_lightning.modules.split_bn import check_bn_splits, convert_split_bn, revert_split_bn, shuffle_mode
+from moco_lightning.modules.split_bn import (
+    check_bn_splits,
+    check_last_batch,
+    convert_split_bn,
+    revert_split_bn,
+    shuffle_mode,
+)
 from moco_lightning.training.plan import per_device_batch_size
 
 
@@ -171,7 +177,7 @@ class MomentumContrast(Contrastive):
         super().__init__(**kwargs)
         # f_k: the key encoder, a copy of f_q moved only by the momentum update
         self.momentum_copy = MomentumCopy(
-            self, "key_", ("backbone", "projection_head"), momentum, momentum_schedule, "the key encoder and the queue"
+            self, "key_", ("backbone", "projection_head"), momentum, momentum_schedule, "the key encoder"
         )
         self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
 
@@ -196,15 +202,19 @@ class MomentumContrast(Contrastive):
         return nn.functional.normalize(self.key_projection_head(self.key_backbone(x)).float(), dim=1)
 
     # --- training ---------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
+    def prepare_run(self, stage: str) -> None:
+        """Shuffle BN for a fit (:class:`~moco_lightning.run.FitSetup`): the mode resolved once the world size is
+        known; with ``"split"`` both encoders' BatchNorm layers compute their statistics over ``bn_splits``
+        sub-batches."""
+        super().prepare_run(stage)
         if stage != "fit":
             return
         self._shuffle = shuffle_mode(self.hparams.shuffle_bn, self.backbone, self.trainer)
         for encoder in (self.backbone, self.key_backbone) if self._shuffle == "split" else ():
             convert_split_bn(encoder, self.hparams.bn_splits)
 
-    def teardown(self, stage: str) -> None:
+    def end_run(self, stage: str) -> None:
+        super().end_run(stage)
         for encoder in (self.backbone, self.key_backbone) if stage == "fit" and self._shuffle == "split" else ():
             revert_split_bn(encoder)  # split BN only while fitting: the user's BatchNorm2d again
         self._shuffle = "off"
@@ -212,4 +222,6 @@ class MomentumContrast(Contrastive):
     def check_fit(self) -> None:
         super().check_fit()
         if shuffle_mode(self.hparams.shuffle_bn, self.backbone, self.trainer) == "split":
-            check_bn_splits(self.hparams.bn_splits, per_device_batch_size(self))
+            per_device = per_device_batch_size(self)
+            check_bn_splits(self.hparams.bn_splits, per_device)
+            check_last_batch(self.hparams.bn_splits, per_device, self.trainer.train_dataloader)

@@ -90,8 +90,8 @@ class SwAV(Pretraining):
             loss = self.criterion(high, low)
         return dict(loss=loss.squeeze(), features=features)
 
-    def on_train_start(self) -> None:
-        super().on_train_start()
+    def begin_training(self) -> None:
+        super().begin_training()
         self._frozen_steps = round(self.hparams.freeze_prototypes_epochs * steps_per_epoch(self.trainer))
 
     def on_after_backward(self) -> None:

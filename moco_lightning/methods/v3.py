@@ -81,6 +81,10 @@ class MoCoV3(MomentumContrast):
         if zero_init_residual and isinstance(self.hparams.get("backbone"), str) and zero_init_residuals(self.backbone):
             self.momentum_copy.reset(self)  # f_k starts as a copy of f_q
 
+    def frozen_modules(self) -> list[nn.Module]:
+        frozen = super().frozen_modules()
+        return frozen + [self.backbone.conv_proj] if self.hparams.freeze_patch_embed else frozen
+
     def build_heads(self) -> tuple[nn.Module, Optional[nn.Module]]:
         vit: Optional[bool] = self.hparams.vit
         return v3_heads(

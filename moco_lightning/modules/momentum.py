@@ -61,9 +61,11 @@ class MomentumCopy:
 
     def refuse_half_precision(self, owner: Any) -> None:
         if str(owner.trainer.precision) in ("bf16-true", "16-true"):
+            queue = owner.dictionary_buffers()  # a queue of keys has the same half-precision fate
             raise ConfigError(
-                f"{type(owner).__name__}: precision={owner.trainer.precision!r} stores {self.what} in half precision, "
-                "where the momentum update's step (1 - m) * (θ_q - θ_k), 0.001 of the difference at m = 0.999, is "
-                "below the format's resolution and the momentum copy stops moving: use precision='bf16-mixed' (the "
-                "weights, the queue and the logits stay fp32)"
+                f"{type(owner).__name__}: precision={owner.trainer.precision!r} stores {self.what}"
+                + (" and the queue" if queue else "")
+                + " in half precision, where the momentum update's step (1 - m) * (θ_q - θ_k), 0.001 of the difference "
+                "at m = 0.999, is below the format's resolution and the momentum copy stops moving: use "
+                "precision='bf16-mixed' (the weights" + (", the queue" if queue else "") + " and the logits stay fp32)"
             )

@@ -241,3 +241,22 @@ def _with_state_of(old: nn.BatchNorm2d, new: nn.BatchNorm2d) -> nn.BatchNorm2d:
         new.weight.requires_grad_(old.weight.requires_grad)
         new.bias.requires_grad_(old.bias.requires_grad)
     return new.to(old.weight.device if old.affine else next(iter(old.buffers())).device)
+
+
+def check_last_batch(bn_splits: int, per_device: int, loader: Any) -> None:
+    """A training loader that keeps its partial last batch (``drop_last=False``) must end on a batch that splits too:
+    refused at fit start, not after the epoch's other batches have trained."""
+    if getattr(loader, "drop_last", True) or getattr(loader, "batch_size", None) is None:
+        return
+    try:
+        n = len(loader.sampler)
+    except TypeError:  # an iterable dataset: its length is not known
+        return
+    last = n % per_device
+    if last and (last % bn_splits or last // bn_splits < 2):
+        raise ConfigError(
+            f"MoCo: the training loader keeps its partial last batch (drop_last=False): {n} images in batches of "
+            f"{per_device} end on a batch of {last}, which split BatchNorm (shuffle BN on one device) cannot divide "
+            f"into bn_splits={bn_splits} sub-batches of 2 or more; set drop_last=True on the training DataLoader (the "
+            "library's datamodules do)"
+        )

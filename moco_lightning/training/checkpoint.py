@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from moco_lightning.training.checkpoint_io import read_checkpoint
 from moco_lightning.training.compat import upgrade
-from moco_lightning.training.run_state import checkpoint_class
+from moco_lightning.training.run_state import check_format, checkpoint_class
 
 
 def load_module(
@@ -24,6 +24,8 @@ def load_module(
     # a base class asked (Pretraining.load_from_checkpoint): the subclass that wrote it, already imported
     cls = checkpoint_class(checkpoint, cls, str(checkpoint_path), "load it with {saved}.load_from_checkpoint")
     upgrade(checkpoint, cls)
+    if hasattr(cls, "STRUCTURAL"):  # a pretraining module: a newer format refused, a checkpoint without the entry said
+        check_format(checkpoint.get("moco_lightning"), cls.__name__)
     # built by cls(**hyper-parameters) itself: a backbone the CLI built from a class_path is recorded as that spec,
     # which build_backbone rebuilds (Lightning's CLI instantiator would hand over a module and lose the spec)
     for private in ("_class_path", "_instantiator"):

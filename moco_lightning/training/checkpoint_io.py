@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -106,18 +106,29 @@ def _unreadable(where: str, path: Path, error: Exception) -> str:
     )
 
 
-def load_checkpoints_safely(trainer: Any) -> None:
+def load_checkpoints_safely(trainer: Any, check: Optional[Callable[[dict], None]] = None) -> bool:
     """Makes the Trainer read ``ckpt_path`` (fit, validate, test, predict) through :func:`read_checkpoint`: weights
-    only, whatever ``weights_only`` its caller passed (Lightning's default is full pickle). Called from the
-    modules' ``setup``, which runs before the Trainer restores a checkpoint; a checkpoint IO of the user's own
-    (not Lightning's default) is left alone."""
+    only, whatever ``weights_only`` its caller passed (Lightning's default is full pickle), then ``check(checkpoint)``
+    before Lightning restores anything from it. Called at ``setup``, which runs before the Trainer restores a
+    checkpoint; a checkpoint IO of the user's own (not Lightning's default) is left alone: returns False then."""
     strategy = trainer.strategy
-    if type(getattr(strategy, "checkpoint_io", None)) is TorchCheckpointIO:
-        strategy.checkpoint_io = SafeCheckpointIO()
+    io = getattr(strategy, "checkpoint_io", None)
+    if type(io) is not TorchCheckpointIO and not isinstance(io, SafeCheckpointIO):
+        return False
+    strategy.checkpoint_io = SafeCheckpointIO(check)
+    return True
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO, reading through :func:`read_checkpoint` (``weights_only=True``)."""
+    """Lightning's checkpoint IO, reading through :func:`read_checkpoint` (``weights_only=True``) and handing each
+    checkpoint read to ``check``."""
+
+    def __init__(self, check: Optional[Callable[[dict], None]] = None) -> None:
+        super().__init__()
+        self.check = check
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> dict:
-        return read_checkpoint(path, arg="ckpt_path", map_location=map_location or "cpu")
+        checkpoint = read_checkpoint(path, arg="ckpt_path", map_location=map_location or "cpu")
+        if self.check is not None:
+            self.check(checkpoint)
+        return checkpoint

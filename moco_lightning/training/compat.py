@@ -27,7 +27,7 @@ CURRENT_FORMAT = 4  # moco_lightning.training.run_state.FORMAT_VERSION: formats 
 _PACKAGES = {
     "methods": "base contrastive moco v3 end_to_end memory_bank_moco simclr byol swav",
     "modules": "loss queue memory_bank negatives momentum heads split_bn distributed backbones batches optim",
-    "training": "plan run_state continuity preemption log_history nan_guard checkpoint checkpoint_io compat precision",
+    "training": "plan run_state preemption log_history nan_guard checkpoint checkpoint_io compat precision",
     "downstream": "encoder export detection deployment embed evaluate linear_eval pictures",
 }
 #: the modules of the flat layout (moco-lightning 0.1 to 0.3) -> where they are now

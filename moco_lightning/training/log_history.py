@@ -2,8 +2,8 @@
 
 - ``CSVLogger``: Lightning's writer deletes the version's ``metrics.csv`` when it is created in a folder that holds
   one, so a run resumed into its own version lost the rows of the run before it. :func:`read_csv_history` reads them
-  before that (the module's ``prepare_data``), :func:`keep_history` hands the rows logged before the checkpoint's
-  step back to the writer, which writes them first.
+  before that (:class:`~moco_lightning.run.ExactResume`'s ``attach``), :func:`keep_history` hands the rows logged
+  before the checkpoint's step back to the writer, which writes them first.
 - ``TensorBoardLogger``: a resumed run writes a new events file beside the old ones; the old files still hold the
   steps logged after the checkpoint by the run that was stopped, which TensorBoard would show twice. TensorBoard's
   own restart record, a ``SessionLog.START`` event at the resumed step, makes its reader drop them.

@@ -36,6 +36,8 @@ class NanGuard:
         self.on_nan, self.owner = on_nan, owner
         self._pending: list[tuple] = []  # (flag on the device, loss, where, hints) of each step since the last check
         self.agreed = 0  # the largest ``extra`` any rank passed at the last check
+        self.watching = False  # a reader runs (moco_lightning.run.NanStop): the steps record their flags
+        self.due = False  # the last step was a check step: the reader reads the flags after it
 
     def check_trainer(self, trainer: Any) -> None:
         """``on_nan="skip"`` needs one process (DDP ranks must take the same optimizer steps); the losses are fp32
@@ -52,7 +54,7 @@ class NanGuard:
             )
 
     def reset(self) -> None:
-        self._pending, self.agreed = [], 0
+        self._pending, self.agreed, self.due = [], 0, False
 
     def usable(
         self,
@@ -61,10 +63,12 @@ class NanGuard:
         hints: Callable[[], str],
         inputs: Sequence[Tensor] = (),
         check: bool = False,
-        extra: int = 0,
     ) -> bool:
-        """False: skip this batch (``on_nan="skip"``). Otherwise records the step's flag on the device (``inputs``:
-        the batch's images) and, at a check step (``check``), runs :meth:`check` with ``extra``."""
+        """False: skip this batch (``on_nan="skip"``). Otherwise, while :attr:`watching`, records the step's flag on
+        the device (``inputs``: the batch's images) and whether it is a check step (``check``: :attr:`due`, read by
+        :class:`~moco_lightning.run.NanStop` after the step)."""
+        if self.on_nan != "skip" and not self.watching:
+            return True
         bad_input = torch.stack([~torch.isfinite(x).all() for x in inputs]).any() if inputs else None
         if self.on_nan == "skip":  # reading the loss synchronises with the device
             if torch.isfinite(loss):
@@ -78,14 +82,14 @@ class NanGuard:
         if bad_input is not None:  # 3: the loss and the images; 1: the loss alone (MAX across ranks keeps the worst)
             flag = flag + 2 * (bad_input.to(torch.int32) & flag)
         self._pending.append((flag, loss.detach(), where, hints))
-        if check:
-            self.check(extra)
+        self.due = check
         return True
 
     def check(self, extra: int = 0) -> None:
         """Reads the flags of the steps since the last check and ``extra``, each the maximum over the ranks (every rank
         calls it at the same step), ``extra``'s into :attr:`agreed`; raises with the first non-finite step's message,
         before a checkpoint, at the end of training. With nothing recorded since the last check nothing is read."""
+        self.due = False
         if not self._pending:
             return
         pending, self._pending = self._pending, []

@@ -120,6 +120,43 @@ def check_batch_size(module: Any) -> None:
         )
 
 
+def check_accumulation(module: Any) -> None:
+    """A fit-start check: gradient accumulation that changes during the run (``GradientAccumulationScheduler``) is
+    refused: the lr (per 256 images, scaled by the global batch) and the lr and momentum schedules are planned over
+    the run's optimizer steps at one accumulation (Lightning's ``estimated_stepping_batches`` ignores the
+    scheduler), so they would end early or late and the lr would fit another batch."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    trainer = module.trainer
+    for callback in trainer.callbacks:
+        if not isinstance(callback, GradientAccumulationScheduler):
+            continue
+        last = trainer.max_epochs if trainer.max_epochs not in (None, -1) else math.inf
+        factors = {callback.get_accumulate_grad_batches(epoch) for epoch in range(int(min(last, 1000)))}
+        if len(factors) > 1:
+            raise ConfigError(
+                f"{type(module).__name__}: GradientAccumulationScheduler({callback.scheduling}) changes the gradient "
+                "accumulation during the run, and the lr (given per 256 images, scaled by the global batch) and the "
+                "lr and momentum schedules are planned over the optimizer steps of one accumulation; use "
+                f"Trainer(accumulate_grad_batches={max(factors)}) (a constant accumulation) instead"
+            )
+
+
+def redirect_lr_finder(module: Any) -> None:
+    """A ``LearningRateFinder`` (``Tuner.lr_find``) that would write its suggestion, an optimizer lr, into ``lr`` (per
+    256 images) writes it into the module's ``optimizer_lr`` instead, which converts; one told to write into ``lr``
+    is refused in one line."""
+    from moco_lightning._lightning import lr_finder_attribute
+
+    name = lr_finder_attribute(module.trainer, "optimizer_lr")
+    if name in ("lr", "learning_rate", "hparams.lr"):
+        raise ConfigError(
+            f"{type(module).__name__}: lr_find(attr_name={name!r}) would write the optimizer's lr into lr, which is "
+            "given per 256 images (the optimizer uses lr x global batch / 256): use attr_name='optimizer_lr' (or leave "
+            "it unset), which converts"
+        )
+
+
 def lr_factor(module: Any, plan: StepPlan, step: int) -> float:
     """The multiplier of the peak lr at optimizer ``step``, on the plan as it is now (a resume may re-plan it)."""
     hp = module.hparams

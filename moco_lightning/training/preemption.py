@@ -62,7 +62,7 @@ class Preemption:
             path = checkpoint_path(trainer)
             claim_last(trainer, path)
             trainer.save_checkpoint(path)
-            then = "resume with --ckpt_path last"
+            then = f"resume it with trainer.fit(..., ckpt_path={path!r}) (the command line: --ckpt_path last)"
         if trainer.is_global_zero:
             print(
                 f"moco-lightning: {name} at step {trainer.global_step}: saved a resumable checkpoint to {path}; {then}",

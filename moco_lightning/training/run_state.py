@@ -30,8 +30,6 @@ class Resumable(Protocol):
 
     STRUCTURAL: tuple  # the settings that change the shape of the weights
     hparams: Any
-    nan_guard: Any  # NanGuard: a pending non-finite loss raises before a checkpoint is written
-    preemption: Any  # Preemption: its signal is agreed across ranks at the guard's check before a save
     step_plan: Any  # Optional[StepPlan]: the schedules' plan, saved and restored
 
     def finish_step(self) -> None: ...  # the after-step work (momentum update, store), idempotent
@@ -39,8 +37,6 @@ class Resumable(Protocol):
     def momentum_copies(self) -> dict[str, str]: ...
 
     def attached_trainer(self) -> Any: ...  # the Trainer, or None outside a fit
-
-    def continue_history(self, checkpoint: dict) -> None: ...  # a cut epoch re-opened, the loggers' history kept
 
 
 def rng_states() -> dict:
@@ -77,8 +73,17 @@ def metadata(**extra: Any) -> dict:
 
 
 def check_format(meta: Optional[Mapping], who: str) -> None:
+    """A newer format is refused; a checkpoint without the library's entry (a run without its
+    :class:`~moco_lightning.run.CheckpointEntry`, ``run_callbacks=False``) loads as a plain Lightning one, with a
+    warning."""
     if meta is None:
-        raise ConfigError(f"{who}: this checkpoint was not written by moco-lightning (no 'moco_lightning' entry)")
+        warnings.warn(
+            f"{who}: the checkpoint has no 'moco_lightning' entry (it was written without the library's "
+            "CheckpointEntry callback: run_callbacks=False, or by another LightningModule): its weights load as they "
+            "are, the class that wrote it unchecked; a resumed run starts new random streams and a new schedule plan",
+            stacklevel=3,
+        )
+        return
     if meta["format_version"] > FORMAT_VERSION:
         raise ConfigError(
             f"{who}: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is newer than "
@@ -177,15 +182,9 @@ def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
 
 
 def save_state(module: Resumable, checkpoint: dict) -> None:
-    """``on_save_checkpoint`` of the pretraining modules: no checkpoint of bad weights; the step being finished (a
-    callback's save at step N runs before the module's ``on_train_batch_end``: the checkpoint then holds N momentum
-    updates and N steps' keys); the metadata."""
-    module.nan_guard.check(module.preemption.signum)
-    bad = [name for name, p in module.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        raise FloatingPointError(
-            f"{type(module).__name__}: refusing to write a checkpoint with non-finite weights in {bad[:5]}"
-        )
+    """The entry of a checkpoint being saved (:class:`~moco_lightning.run.CheckpointEntry`): the step being saved
+    finished first (a callback's save at step N runs before the module's ``on_train_batch_end``: the checkpoint then
+    holds N momentum updates and N steps' keys), then the metadata."""
     trainer = module.attached_trainer()
     if trainer is not None and trainer.training:
         module.finish_step()
@@ -215,9 +214,11 @@ def eval_transform_of(datamodule: Any) -> Optional[dict]:
     return {**values, "resize": resize}
 
 
-def restore_state(module: Resumable, checkpoint: dict) -> dict:
-    """``on_load_checkpoint`` of the pretraining modules: an older format upgraded, the format and the structure
-    checked, an epoch a ``max_steps`` stop cut short re-opened; returns what the run resumes (RNG states, step plan)."""
+def check_checkpoint(module: Resumable, checkpoint: dict, resuming: bool) -> None:
+    """A checkpoint read for ``module`` (by the Trainer's ``ckpt_path``, :class:`~moco_lightning.run.SafeCheckpoints`,
+    or ``load_from_checkpoint``), before its weights meet the module: an older format upgraded in place, a newer
+    one refused, the class that wrote it and its structure checked; when ``resuming`` a fit, the processes of a run
+    cut mid-epoch."""
     who = type(module).__name__
     upgrade(checkpoint, type(module))
     meta = checkpoint.get("moco_lightning")
@@ -226,10 +227,13 @@ def restore_state(module: Resumable, checkpoint: dict) -> dict:
     current = dict(module.hparams)
     stem_of_cifar_stem(current)  # the module's own cifar_stem=True is stem "cifar", as the checkpoint's
     check_structure(checkpoint.get("hyper_parameters", {}), current, module.STRUCTURAL, who)
-    trainer = module.attached_trainer()
-    if trainer is not None and trainer.state.fn == "fit":  # resuming (not loading the weights)
+    if resuming and meta is not None:
         check_world_size(checkpoint, meta, who)
-    module.continue_history(checkpoint)
+
+
+def resume_of(checkpoint: Mapping) -> dict:
+    """What a run resumed from ``checkpoint`` continues: this rank's RNG states and the schedules' plan."""
+    meta = checkpoint.get("moco_lightning") or {}
     return {"rng": this_ranks_rng_states(meta), "plan": meta.get("step_plan")}
 
 
@@ -242,7 +246,7 @@ def continue_run(module: Resumable, resume: dict) -> None:
     if resume.get("rng") is not None:
         set_rng_states(resume["rng"])
     _lightning.load_pending_loader_states(module.trainer)
-    if resume.get("plan") and module.trainer.ckpt_path:
+    if resume.get("plan") and module.trainer.ckpt_path and module.step_plan is not None:
         plan.continue_plan(module, module.step_plan)
 
 
