@@ -62,7 +62,7 @@ def setup_model(args, *overrides: str):
     model, dm = from_config(config_path(args.config), *args.override, *overrides)
     model.trainer = SimpleNamespace(
         world_size=1, strategy=SimpleNamespace(_layer_sync=None), global_step=0, training=True, precision="32-true",
-        train_dataloader=SimpleNamespace(batch_size=dm.batch_size), accumulate_grad_batches=1,  # for check_fit
+        train_dataloader=SimpleNamespace(batch_size=dm.batch_size), accumulate_grad_batches=1, callbacks=[],  # checks
     )  # fmt: skip
     model.prepare_run("fit")
     model.trainer = None

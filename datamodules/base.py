@@ -95,6 +95,11 @@ class TwoViewDataModule(LightningDataModule):
             views = self.views(images, g)
         return (views if self.pretrain else views[0]), targets, index
 
+    def predict_dataloader(self) -> Any:
+        """``trainer.predict(model, datamodule=dm)``: the evaluation split's images as the encoder sees them in
+        evaluation (normalised: features of held-out images, ``eval_val_dataloader``)."""
+        return self.eval_val_dataloader()
+
     def state_dict(self) -> dict:
         """The augmentation generator's state of every rank (gathered: Lightning saves on every rank, rank 0 writes)."""
         from moco_lightning.modules.distributed import gather_objects
@@ -127,7 +132,7 @@ class TwoViewDataModule(LightningDataModule):
                         "the checkpoint's augmentation RNG state does not fit this device; views restart from `seed`",
                         stacklevel=2,
                     )
-            elif self._generator_states is not None:
+            elif self._generator_states is not None and rank >= len(self._generator_states):
                 warnings.warn(
                     f"the checkpoint holds no augmentation RNG state for rank {rank} (it was saved by "
                     f"{len(self._generator_states)} process(es)): this rank's views restart from `seed`",

@@ -410,3 +410,56 @@ def test_linear_is_a_subcommand_of_moco_lightning(tmp_path, monkeypatch, capsys)
         main()
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and err[0].startswith("moco-lightning linear fit: error: LinearClassifier: lr="), err
+
+
+BEST_CONFIG = RESUME_CONFIG.replace("max_steps: 6\n  max_epochs: 10", "max_steps: -1\n  max_epochs: 3").replace(
+    "limit_val_batches: 0", "limit_val_batches: 1"
+).replace(
+    "      init_args: {every_n_train_steps: 3, save_last: true, save_top_k: -1}",
+    """      init_args: {save_last: true}
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {monitor: val/knn_acc1, mode: max, filename: best-knn, save_top_k: 1}
+    - class_path: moco_lightning.callbacks.KNNMonitor
+      init_args: {k: 5, every_n_epochs: 2}""",
+)  # fmt: skip
+
+
+def test_ckpt_best_and_last_name_a_runs_best_knn_and_last_checkpoints(tmp_path, monkeypatch, capsys):
+    """A run keeps ``best-knn.ckpt`` (the best ``val/knn_acc1``, measured at epochs 0 and 2 here, not at 1) beside
+    ``last.ckpt``; ``export``, ``embed`` and ``evaluate`` take ``--ckpt best`` / ``--ckpt last`` with the fit config,
+    found as ``--ckpt_path last`` finds its file; without the config, or without such a file, one line says so."""
+    import torch
+    from helpers.files import write_tree
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg.yaml").write_text(BEST_CONFIG)
+    cli = in_process("fit", "--config", "cfg.yaml")
+    folder = tmp_path / "runs/tiny/version_0/checkpoints"
+    best = torch.load(folder / "best-knn.ckpt", weights_only=True)
+    scores = [c for c in cli.trainer.checkpoint_callbacks if c.monitor == "val/knn_acc1"][0].best_model_score
+    assert best["global_step"] in (4, 12) and float(scores) == pytest.approx(float(best["callbacks"][
+        next(k for k in best["callbacks"] if "val/knn_acc1" in k)]["best_model_score"]))  # fmt: skip
+    capsys.readouterr()
+    for word, name in (("best", "best-knn.ckpt"), ("last", "last.ckpt")):
+        assert cli_main("export", "--ckpt", word, "--config", "cfg.yaml", "--out", f"{word}.pt") == 0
+        assert f"--ckpt {word}: {(folder / name).relative_to(tmp_path)}" in capsys.readouterr().err
+    for a, b in zip(torch.load("best.pt").values(), torch.load(folder / "best-knn.ckpt")["state_dict"].values()):
+        assert torch.equal(a, b)
+    images = write_tree(tmp_path / "images", n_per_class=2, splits=("train",)) / "train"
+    assert cli_main("embed", "--ckpt", "best", "--config", "cfg.yaml", "--data", str(images), "--out", "emb",
+                    "--num_workers", "0") == 0  # fmt: skip
+    assert (tmp_path / "emb" / "features.npy").exists()
+    assert cli_main("evaluate", "--ckpt", "best", "--out", "ev") == 2
+    assert "--ckpt best: give the fit config with --config" in capsys.readouterr().err
+    (folder / "best-knn.ckpt").unlink()
+    assert cli_main("evaluate", "--ckpt", "best", "--config", "cfg.yaml", "--out", "ev") == 2
+    assert "--ckpt best: no readable best-knn.ckpt under" in capsys.readouterr().err
+
+
+def test_a_queue_larger_than_the_data_is_warned_through_the_cli(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        two_steps("quickstart.yaml", 32, 256, 64, "--model.queue_size=1024")
+    said = [str(w.message) for w in caught if "training images" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("MoCo: queue_size=1024 against 256 training images")

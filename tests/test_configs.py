@@ -137,6 +137,18 @@ def test_every_shipped_config_saves_last_ckpt_every_few_minutes(config):
     assert timedelta(hours=h, minutes=m, seconds=s) <= timedelta(minutes=5)
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_config_with_a_knn_monitor_keeps_the_best_checkpoint_by_knn(config):
+    """``best-knn.ckpt``: the best ``val/knn_acc1`` (``evaluate / export / embed --ckpt best``) beside last.ckpt."""
+    import yaml
+
+    callbacks = yaml.safe_load((ROOT / "configs" / config).read_text())["trainer"].get("callbacks") or []
+    if not any(c["class_path"].endswith("KNNMonitor") for c in callbacks):
+        return
+    best = [c["init_args"] for c in callbacks if (c.get("init_args") or {}).get("filename") == "best-knn"]
+    assert best == [dict(monitor="val/knn_acc1", mode="max", filename="best-knn", save_top_k=1)]
+
+
 @pytest.mark.parametrize("config", ["simclr_fashion_mnist.yaml", "byol_fashion_mnist.yaml", "swav_fashion_mnist.yaml"])
 def test_method_configs_share_the_quickstarts_data_backbone_optimizer_and_length(config):
     """The seeds' comparison (benchmarks/methods.py) is fair only if SimCLR, BYOL and SwAV see what MoCo sees: the

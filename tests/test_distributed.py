@@ -19,6 +19,7 @@ from moco_lightning import MoCo
 from moco_lightning.modules.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
 from moco_lightning.modules.queue import KeyQueue
 from moco_lightning.modules.split_bn import SplitBatchNorm2d, convert_split_bn
+from moco_lightning.run import NanStop
 
 pytestmark = pytest.mark.slow  # several processes
 
@@ -318,39 +319,41 @@ class NaNOnRank1(LightningDataModule):
         return DataLoader(Pairs(v1, v2), batch_size=B, shuffle=False)
 
 
-class RecordsItsError(MoCo):
-    """MoCo that writes the error a training step raises, on each rank (spawned ranks run no on_exception hooks)."""
+class RecordsItsError(NanStop):
+    """The NaN stop, writing the error it raises on each rank (spawned ranks run no on_exception hooks); a user's own
+    instance of the type, used instead of the module's."""
 
-    out_dir = ""
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
 
-    def training_step(self, batch, batch_idx):
+    def on_train_batch_end(self, trainer, pl_module, *args):
         try:
-            return super().training_step(batch, batch_idx)
+            return super().on_train_batch_end(trainer, pl_module, *args)
         except Exception as e:
-            with open(os.path.join(self.out_dir, f"exception{self.global_rank}.txt"), "w") as f:
-                f.write(f"{type(e).__name__}: {e}\nstep {self.global_step}")
+            with open(os.path.join(self.out_dir, f"exception{trainer.global_rank}.txt"), "w") as f:
+                f.write(f"{type(e).__name__}: {e}\nstep {trainer.global_step}")
             raise
 
 
 def test_ddp_nan_on_one_rank_stops_every_rank_with_the_message(tmp_path):
     seed_everything(0, verbose=False)
-    RecordsItsError.out_dir = str(tmp_path)
-    model = tiny_moco(RecordsItsError, backbone=no_bn_backbone(), image_size=8, queue_size=16)
-    model.out_dir = str(tmp_path)  # the spawned ranks receive a pickled copy of the instance
+    model = tiny_moco(backbone=no_bn_backbone(), image_size=8, queue_size=16)
     ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    # the guard reads its flags at Lightning's logging steps (batches 2, 4, ...): here the bad batch's own step
+    # the guard reads its flags after Lightning's logging steps (batches 2, 4, ...): here after the bad batch's own
+    # step (global step 1 in the message; its optimizer step done, global_step 2), before any checkpoint
     trainer = cpu_trainer(
         max_steps=STEPS, devices=2, strategy=ddp, limit_val_batches=0, use_distributed_sampler=False,
-        log_every_n_steps=2,
+        log_every_n_steps=2, callbacks=[RecordsItsError(str(tmp_path))],
     )  # fmt: skip
     with pytest.raises(Exception, match="FloatingPointError"):
         trainer.fit(model, NaNOnRank1(bad_batch=1))
     for rank in (0, 1):  # both ranks stopped with the clear message, at the same step (not a broken connection)
         text = (tmp_path / f"exception{rank}.txt").read_text()
         assert (
-            text.startswith("FloatingPointError: RecordsItsError:") and "at global step 1 (epoch 0, batch 1)" in text
+            text.startswith("FloatingPointError: MoCo:") and "at global step 1 (epoch 0, batch 1)" in text
         ), text
-        assert "Every rank stopped" in text and text.endswith("step 1")
+        assert "Every rank stopped" in text and text.endswith("step 2")
     assert "another rank" in (tmp_path / "exception0.txt").read_text()  # rank 0's own loss was finite
 
 

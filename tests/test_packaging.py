@@ -102,3 +102,25 @@ def test_one_pretraining_step():
         "validation_step": {"base.py", "linear_eval.py"},
         "finish_step": {"base.py"},
     }
+
+
+def test_the_licence_is_mit_and_every_installed_package_has_its_licence_listed():
+    """The repository carries the MIT licence ``setup.cfg`` declares; every package ``setup.cfg`` installs (its
+    requirements and every extra) is listed in ``THIRD_PARTY_LICENSES.md`` with its licence."""
+    import configparser
+    import re
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert cfg["metadata"]["license"] == "MIT" and cfg["metadata"]["license_files"] == "LICENSE"
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+    requirements = cfg["options"]["install_requires"].splitlines() + [
+        line for _, value in cfg["options.extras_require"].items() for line in value.splitlines()
+    ]
+    names = {re.split(r"[<>=\[ ;]", r.strip())[0].lower() for r in requirements if r.strip() and r[0] != "#"}
+    listed = {
+        m.group(1).lower()
+        for m in re.finditer(r"^\| ([\w.-]+) \|", (ROOT / "THIRD_PARTY_LICENSES.md").read_text(), re.M)
+    }
+    assert names and not names - listed, sorted(names - listed)
+    assert "THIRD_PARTY_LICENSES.md" in (ROOT / "README.md").read_text()

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -68,3 +70,57 @@ def test_queue_is_persistent_state():
 def test_a_queue_holds_at_least_one_key():
     with pytest.raises(ValueError, match="at least one key"):
         KeyQueue(0, 4)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.8, 1.0, 1.4, 2.0, 3.0])
+def test_the_own_key_share_is_what_a_shuffled_queue_holds(ratio):
+    """``own_key_share``: the share of steps at which a FIFO queue of K keys holds the image's key of the previous
+    epoch, against a simulation of shuffled epochs (E = 200 keys an epoch, batches of one)."""
+    import random
+
+    from moco_lightning.modules.negatives import own_key_share
+
+    n, size, rng = 200, int(200 * ratio), random.Random(0)
+    queue, held, seen = [], 0, 0
+    for epoch in range(40):
+        order = list(range(n))
+        rng.shuffle(order)
+        for image in order:
+            if epoch:
+                held, seen = held + (image in queue[-size:]), seen + 1
+            queue.append(image)
+    assert held / seen == pytest.approx(own_key_share(size, n), abs=0.02)
+
+
+@pytest.mark.parametrize(
+    "method,kwargs,said",
+    [
+        ("MoCo", dict(queue_size=16), None),  # a quarter of the 64 images: nothing to say
+        ("MoCo", dict(queue_size=48), r"queue_size=48 against 64 training images: the queue holds more than half an "
+         r"epoch of keys: an image's previous key is among its own negatives at 28% of its steps.*at most 32"),
+        ("MoCo", dict(queue_size=64, symmetric=True), None),  # 2 keys per image: half of the epoch's 128
+        ("MoCo", dict(queue_size=128), r"queue_size=128 against 64 .*every image's previous key is always among"),
+        ("MemoryBankMoCo", dict(memory_bank_size=64, num_negatives=64),
+         r"num_negatives=64 against 64 .*own stored feature is among its 64 sampled negatives at 64%"),
+    ],
+)  # fmt: skip
+def test_a_dictionary_as_large_as_the_data_is_warned_at_fit_start(method, kwargs, said):
+    """The queue (a memory bank's negatives) compared with the training images the datamodule serves: one warning
+    naming both numbers and the fix."""
+    import warnings
+
+    from helpers.data import tiny_data
+    from helpers.models import tiny_moco
+    from helpers.trainers import cpu_trainer
+
+    import moco_lightning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_trainer(max_steps=1, limit_val_batches=0).fit(tiny_moco(getattr(moco_lightning, method), **kwargs),
+                                                          tiny_data())  # fmt: skip
+    found = [str(w.message) for w in caught if "training images" in str(w.message)]
+    if said is None:
+        assert not found
+    else:
+        assert len(found) == 1 and re.search(said, found[0]), found

@@ -12,12 +12,14 @@ from moco_lightning.downstream.embed import embed_folder
 def main(argv: Optional[Sequence[str]] = None) -> None:
     import argparse
 
+    from moco_lightning.cli.resume import BEST_LAST, named_checkpoint
     from moco_lightning.datamodules import BadImageError
 
     doc = (computation.__doc__ or "").split("\n\n")
     p = argparse.ArgumentParser(prog="moco-lightning embed", description=doc[0], epilog="\n\n".join(doc[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--ckpt", required=True, help="a checkpoint of any pretraining method, or an export (.pt)")
+    p.add_argument("--ckpt", required=True, help="a checkpoint of any method, an export (.pt), " + BEST_LAST)
+    p.add_argument("--config", default=None, help="the run's fit config: where --ckpt best / last are")
     p.add_argument("--data", required=True, help="the folder of images (class folders, or images alone)")
     p.add_argument("--out", required=True, help="the folder for features.npy and index.csv")
     p.add_argument("--mean", type=float, nargs="+", default=None, help="normalisation (default ImageNet's)")
@@ -32,6 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="embed a readable image of the same class in place of an unreadable file")  # fmt: skip
     args = p.parse_args(argv)
     try:
+        args.ckpt = named_checkpoint(args.ckpt, args.config)
         features, index = embed_folder(args.ckpt, args.data, args.out, args.mean, args.std, args.resize,
                                        args.batch_size, args.num_workers, args.neighbours, args.projector,
                                        args.skip_bad_images)  # fmt: skip

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from moco_lightning.cli.resume import BEST_LAST, named_checkpoint
 from moco_lightning.datamodules import BadImageError
 from moco_lightning.downstream import evaluate as measure
 from moco_lightning.downstream.embed import check_out_folder
@@ -131,9 +132,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(doc[1:]),
     )
-    p.add_argument("--ckpt", required=True, help="a checkpoint of any pretraining method, or an export (.pt)")
+    p.add_argument("--ckpt", required=True, help="a checkpoint of any method, an export (.pt), " + BEST_LAST)
     p.add_argument(
-        "--config", default=None, help="a YAML whose data: section is the datamodule (default Fashion-MNIST)"
+        "--config",
+        default=None,
+        help="a YAML whose data: section is the datamodule (default Fashion-MNIST); the fit config of --ckpt best",
     )
     p.add_argument("--data_dir", default=None, help="an image folder: train/ and val/ of class folders (or --config)")
     p.add_argument(
@@ -152,6 +155,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--per_class", type=int, nargs="*", default=[], help="label budgets in images per class (e.g. 10 100)"
     )
     p.add_argument("--k", type=int, nargs="+", default=[20, 200], help="kNN neighbours (default 20 200)")
+    p.add_argument(
+        "--baseline", action="append", default=[], metavar="FILE",
+        help="weights you already have, measured beside it the same way (repeatable): a torchvision / timm state "
+        "dict (e.g. ImageNet weights), another run's checkpoint or export",
+    )  # fmt: skip
+    p.add_argument(
+        "--baseline_arch", default=None, metavar="NAME[,stem=S][,width=W]",
+        help="the architecture of a --baseline state dict whose keys do not tell it (resnet50, timm:resnet10t)",
+    )  # fmt: skip
     p.add_argument(
         "--steps",
         type=int,
@@ -186,6 +198,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.exit(2, f"moco-lightning evaluate: error: --fractions {fractions}: each must be in (0, 1]\n")
     if any(n < 1 for n in args.per_class):
         p.exit(2, f"moco-lightning evaluate: error: --per_class {args.per_class}: each must be at least 1\n")
+    try:
+        args.ckpt = named_checkpoint(args.ckpt, args.config)
+    except ValueError as e:
+        p.exit(2, f"moco-lightning evaluate: error: {e}\n")
     out = Path(args.out or Path("runs") / "evaluate" / run_name(args.ckpt))
     try:
         check_out_folder(out)  # before the work, not after it
@@ -193,7 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         dm = datamodule_of(args.config, args.split, args.fast, args.data_dir, encoder, args.skip_bad_images,
                            args.holdout)  # fmt: skip
         check_label_budgets(dm, len(fractions) + len(args.per_class))
-        result = evaluate(encoder, dm, fractions, args.k, steps, args.seed, per_class=args.per_class)
+        result = evaluate(encoder, dm, fractions, args.k, steps, args.seed, per_class=args.per_class,
+                          baselines=args.baseline, baseline_arch=args.baseline_arch)  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         p.exit(2, f"moco-lightning evaluate: error: {e}\n")
     except BadImageError as e:

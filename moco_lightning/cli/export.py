@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from moco_lightning.cli.resume import BEST_LAST, named_checkpoint
 from moco_lightning.downstream.detection import detection_weights, detectron2_settings
 from moco_lightning.downstream.encoder import architecture_in, transform_in
 from moco_lightning.downstream.export import FORMATS, backbone_state_dict, export_backbone, stem_note
@@ -16,7 +17,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="moco-lightning export", description="Write a checkpoint's backbone for torchvision, detection or serving."
     )
-    parser.add_argument("--ckpt", required=True, help="checkpoint of any pretraining method (.ckpt)")
+    parser.add_argument("--ckpt", required=True, help="checkpoint of any pretraining method (.ckpt), " + BEST_LAST)
+    parser.add_argument("--config", default=None, help="the run's fit config: where --ckpt best / last are")
     parser.add_argument("--out", required=True, help="the file to write (.pt, .pkl for detectron2, .onnx, .pt2)")
     parser.add_argument(
         "--encoder", choices=("query", "key"), default="query", help="query encoder (default) or its momentum copy"
@@ -28,6 +30,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="detectron2's flag in the file (the official converter sets it)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
+        args.ckpt = named_checkpoint(args.ckpt, args.config)
         out = export_backbone(args.ckpt, args.out, args.encoder, args.format, args.matching_heuristics)
         # what was written, read back: a state dict as an export, a program through the checkpoint it came from
         state = (read_checkpoint(out, expect="export") if args.format in ("torchvision", "torchvision-detection")

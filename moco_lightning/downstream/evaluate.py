@@ -92,6 +92,8 @@ def evaluate(
     scratch: bool = True,
     pixels: bool = True,
     per_class: Sequence[int] = (),
+    baselines: Sequence[Union[str, "Encoder"]] = (),
+    baseline_arch: Optional[str] = None,
 ) -> dict:
     """The figures of :mod:`moco_lightning.downstream.evaluate` for the encoder of ``ckpt`` (a checkpoint of any
     method, an export, or an :class:`~moco_lightning.downstream.encoder.Encoder` read already) on ``datamodule``
@@ -99,7 +101,10 @@ def evaluate(
     ``select_train()``: every datamodule of this library, image folders included; default: Fashion-MNIST's test
     split). Label budgets: ``fractions`` of each class and ``per_class`` images of each class.
     ``full_linear``, ``fine_tune``, ``scratch``, ``pixels``: measure those columns (a search skips the costly ones and
-    the raw pixels, which do not change between its trials)."""
+    the raw pixels, which do not change between its trials). ``baselines``: encoders the user has (files: a torchvision
+    / timm state dict, another run's checkpoint or export; :mod:`moco_lightning.downstream.baseline`, ``baseline_arch``
+    naming an architecture its keys do not tell), measured beside it by the same protocol: kNN, linear on all labels
+    and, at each budget, linear on frozen features and fine-tuned (the same recipe and steps)."""
     from lightning.pytorch import seed_everything
 
     from moco_lightning.datamodules import FashionMNISTDataModule
@@ -121,13 +126,18 @@ def evaluate(
             balanced_subset(dm.train_targets(), per_class=n, seed=seed, names=names, setting="--per_class")
     cpu = torch.device("cpu")
     progress(f"evaluate: {encoder.source}: features of the training and evaluation splits")
+    others = read_baselines(baselines, dm, baseline_arch)
     splits = {}
-    for name, module in (("encoder", backbone), ("pixels", nn.Flatten()))[: 2 if pixels else 1]:
+    columns = (("encoder", backbone), ("pixels", nn.Flatten()))[: 2 if pixels else 1]
+    columns += tuple((name, other.build()[0]) for name, (other, _) in others.items())
+    for name, module in columns:
         train = embed(module, dm.eval_train_dataloader(), cpu, gather=False, normalize=False)
         held = embed(module, dm.eval_val_dataloader(), cpu, gather=False, normalize=False)
         splits[name] = (train, held)
     n_train, n_eval = len(splits["encoder"][0][1]), len(splits["encoder"][1][1])
     out: dict = {"ckpt": encoder.source, "train_images": n_train, "eval_images": n_eval, "classes": classes, "rows": {}}
+    out["baselines"] = {name: {"source": other.source, "architecture": other.architecture, "preprocessing": how}
+                        for name, (other, how) in others.items()}  # fmt: skip
     for name, (train, held) in splits.items():
         for k in ks:  # a k above the bank's size is every training image: said in the row's name
             row = f"kNN k {k}" if k <= n_train else f"kNN k {n_train} (--k {k} capped: {n_train} training images)"
@@ -141,7 +151,8 @@ def evaluate(
     for key, budget in budgets:
         idx = balanced_subset(targets, seed=seed, names=names, setting="--per_class", **budget)
         row = {"labels": len(idx), "share": len(idx) / n_train}
-        for column, name in (("linear", "encoder"), ("linear_pixels", "pixels"))[: 2 if pixels else 1]:
+        frozen = (("linear", "encoder"), ("linear_pixels", "pixels"))[: 2 if pixels else 1]
+        for column, name in frozen + tuple((f"linear {name}", name) for name in others):
             every = out["rows"].get("linear, all labels", {}).get(name) if len(idx) == n_train else None
             subset = tuple(t[idx] for t in splits[name][0])  # all the labels: the full-label linear, measured already
             row[column] = every if every is not None else linear_top1(subset, splits[name][1], classes)
@@ -154,12 +165,34 @@ def evaluate(
             progress(f"evaluate: {key} of the labels ({len(idx)}): {column.replace('_', ' ')}, {n_steps} steps")
             seed_everything(seed, verbose=False)
             row[column] = _finetune(encoder, copy.deepcopy(template), budget, n_steps, from_scratch, seed, batch)
+        for name, (other, _) in others.items() if fine_tune else ():
+            progress(f"evaluate: {key} of the labels ({len(idx)}): {name} fine-tuned, {n_steps} steps")
+            seed_everything(seed, verbose=False)
+            row[f"fine_tuned {name}"] = _finetune(other, copy.deepcopy(template), budget, n_steps, False, seed, batch)
         if fine_tune and scratch:
             row["fine_tuned_minus_scratch"] = row["fine_tuned"] - row["from_scratch"]
         out["fractions"][key] = row
     out["labels_to_match"] = labels_to_match(out["fractions"])
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def read_baselines(sources: Sequence[Union[str, "Encoder"]], dm: Any, arch: Optional[str]) -> dict:
+    """``{column name: (encoder, how it is fed)}`` of the baselines, for the images of ``dm``; the name is the file's
+    (``baseline <stem>``, numbered where two share one)."""
+    from pathlib import Path
+
+    from moco_lightning.downstream.baseline import read_baseline
+
+    found: dict = {}
+    for i, source in enumerate(sources):
+        name = f"baseline {Path(str(getattr(source, 'source', source))).stem}"
+        name = f"{name} ({i + 1})" if name in found else name
+        if not isinstance(source, str) and hasattr(source, "architecture"):  # an Encoder read already
+            found[name] = (source, "an encoder given as it is")
+        else:
+            found[name] = read_baseline(source, dm.in_channels, dm.image_size, arch)
+    return found
 
 
 def _finetune(

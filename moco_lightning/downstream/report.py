@@ -10,18 +10,25 @@ from typing import Optional
 def markdown(result: dict) -> str:
     """The two tables: kNN and full-label linear (encoder beside raw pixels); the label fractions."""
     pct = lambda v: "-" if v is None else f"{100 * v:.2f} %"  # noqa: E731
+    others = list(result.get("baselines") or {})
     lines = [
         f"Encoder `{result['ckpt']}`: {result['train_images']} training images, {result['eval_images']} evaluated.",
         "",
-        "| | encoder | raw pixels |",
-        "|---|---|---|",
-        *(f"| {name} | {pct(v['encoder'])} | {pct(v.get('pixels'))} |" for name, v in result["rows"].items()),
+        "| | encoder | raw pixels |" + "".join(f" {name} |" for name in others),
+        "|---|---|---|" + "---|" * len(others),
+        *(
+            f"| {name} | {pct(v['encoder'])} | {pct(v.get('pixels'))} |"
+            + "".join(f" {pct(v.get(o))} |" for o in others)
+            for name, v in result["rows"].items()
+        ),  # fmt: skip
     ]
     if result["fractions"]:
+        extra = "".join(f" linear, {o} | fine-tuned, {o} |" for o in others)
         lines += [
             "",
-            "| labels | linear, frozen | linear, raw pixels | fine-tuned | from scratch | fine-tuned − scratch |",
-            "|---|---|---|---|---|---|",
+            "| labels | linear, frozen | linear, raw pixels | fine-tuned | from scratch | fine-tuned − scratch |"
+            + extra,
+            "|---|---|---|---|---|---|" + "---|---|" * len(others),
         ]
         for key, r in result["fractions"].items():
             gap = r.get("fine_tuned_minus_scratch")
@@ -32,7 +39,11 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"| {budget} ({r['labels']}) | {pct(r['linear'])} | {pct(r.get('linear_pixels'))} | "
                 f"{pct(r.get('fine_tuned'))} | {pct(r.get('from_scratch'))} | {gap} |"
+                + "".join(f" {pct(r.get(f'linear {o}'))} | {pct(r.get(f'fine_tuned {o}'))} |" for o in others)
             )
+    for name, about in (result.get("baselines") or {}).items():
+        arch = ", ".join(f"{k} {v}" for k, v in about["architecture"].items() if k != "image_size")
+        lines += ["", f"{name}: `{about['source']}`: {arch}; {about['preprocessing']}."]
     match = result.get("labels_to_match")
     if match:
         said = (f"{match['labels']} labels ({match['times']:.1f}x)" if match["labels"] is not None

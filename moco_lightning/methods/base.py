@@ -132,9 +132,9 @@ class Pretraining(SafeLoading, LightningModule):
         if not torch.is_floating_point(x):
             raise ConfigError(
                 f"{type(self).__name__}.predict_step: the images are {x.dtype}, not normalised floats: a "
-                "moco-lightning datamodule's loaders give raw uint8 images that its on_after_batch_transfer "
-                "normalises on the device, which runs only when the datamodule is given: trainer.predict(model, "
-                "datamodule=dm), or loaders of normalised float images"
+                "moco-lightning datamodule's training and validation loaders give raw uint8 images that it turns into "
+                "views on the device; predict on its evaluation images, trainer.predict(model, datamodule=dm) or "
+                "dataloaders=dm.eval_val_dataloader(), or on loaders of normalised float images"
             )
         return self(x)
 

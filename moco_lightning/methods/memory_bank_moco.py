@@ -16,6 +16,8 @@ from torch import Tensor
 from moco_lightning.errors import ConfigError, check_arguments
 from moco_lightning.methods.contrastive import Contrastive, Terms
 from moco_lightning.modules.memory_bank import MemoryBank
+from moco_lightning.modules.negatives import warn_own_keys
+from moco_lightning.training.plan import training_images
 
 
 class MemoryBankMoCo(Contrastive):
@@ -68,10 +70,7 @@ class MemoryBankMoCo(Contrastive):
         # checked once, at fit start (before any callback's evaluation): a per-step index check would stall an
         # accelerator. Too few rows would index outside the bank; too many would serve never-updated random rows
         # as negatives.
-        try:
-            n = len(self.trainer.train_dataloader.dataset)
-        except (TypeError, AttributeError):  # an iterable dataset: MemoryBank checks the first batch's indices
-            n = 0
+        n = training_images(self)  # None for an iterable dataset: MemoryBank checks the first batch's indices
         if n and n != self.dictionary.size:
             raise ConfigError(
                 f"MemoryBankMoCo: memory_bank_size={self.dictionary.size}, but the training set has {n} images"
@@ -82,6 +81,7 @@ class MemoryBankMoCo(Contrastive):
                 )
                 + f"; set memory_bank_size to {n} (one bank row per training image)"
             )
+        warn_own_keys("MemoryBankMoCo", "num_negatives", self.dictionary.num_negatives, n, sampled=True)
 
     def on_validation_start(self) -> None:
         if not self.trainer.sanity_checking:

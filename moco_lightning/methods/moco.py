@@ -23,8 +23,9 @@ from torch import Tensor
 
 from moco_lightning.errors import check_arguments
 from moco_lightning.methods.contrastive import MomentumContrast, Terms
-from moco_lightning.modules.negatives import InBatch
+from moco_lightning.modules.negatives import InBatch, warn_own_keys
 from moco_lightning.modules.queue import KeyQueue
+from moco_lightning.training.plan import training_images
 
 
 class MoCo(MomentumContrast):
@@ -52,6 +53,13 @@ class MoCo(MomentumContrast):
         check_arguments(type(self).__name__, MoCo.__init__, locals())
         super().__init__(**kwargs)
         self.dictionary = KeyQueue(queue_size, self.hparams.dim) if queue_size > 0 else InBatch()
+
+    def check_fit(self) -> None:
+        """A queue more than half an epoch of keys long holds an image's earlier key among its own negatives: warned."""
+        super().check_fit()
+        if self.hparams.queue_size > 0:
+            keys = 2 if self.hparams.symmetric else 1  # both views' keys are enqueued
+            warn_own_keys("MoCo", "queue_size", self.hparams.queue_size, training_images(self), keys)
 
     def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
         """q = f_q(x_q) against k₊ = f_k(x_k) and the queue (and the swapped pair when symmetric)."""

@@ -102,6 +102,12 @@ def build_backbone(
     if is_backbone_spec(backbone):
         backbone = build_from_spec(backbone)
     if isinstance(backbone, nn.Module):
+        ignored = [f"{k}={v!r}" for k, v in (("width", width), ("stem", stem)) if v not in (1.0, None, "imagenet")]
+        if ignored:
+            raise ConfigError(
+                f"{', '.join(ignored)}: these build torchvision / timm ResNets named by a string, and the backbone "
+                f"given is a module ({type(backbone).__name__}), used as it is; drop them (or name the backbone)"
+            )
         return backbone, _probe_dim(backbone, in_channels, image_size)
     if isinstance(backbone, str) and backbone.startswith("timm:"):
         model = _timm_model(backbone[len("timm:") :], in_channels, image_size, width)

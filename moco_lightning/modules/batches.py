@@ -23,7 +23,9 @@ def split_views(batch: Any, who: str, in_channels: Optional[int] = None) -> tupl
         raise ConfigError(
             f"{who}: a training batch must be ([view_1, view_2, ...], target[, index]): a list of two or more "
             f"(N, C, H, W) view tensors, or one (N, V, C, H, W) tensor of stacked views; got {describe_batch(batch)}. "
-            "Use a two-view transform (lightly's MoCoV2Transform, or a moco_lightning datamodule)"
+            "Use a two-view transform (lightly's MoCoV2Transform), or a moco_lightning datamodule given as "
+            "trainer.fit(model, datamodule=dm): its loaders alone give single images, whose views the datamodule "
+            "makes on the device (on_after_batch_transfer, which Lightning runs only for a datamodule)"
         )
     shapes = {tuple(v.shape[:2]) for v in views[:2]}
     if len(shapes) != 1 or views[0].ndim != 4:

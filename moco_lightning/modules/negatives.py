@@ -38,3 +38,45 @@ class Negatives(nn.Module):
 class InBatch(Negatives):
     """End-to-end (Fig. 2a) and MoCo v3: the negatives of a query are the other keys of the global batch (gathered
     across ranks by the loss); the dictionary is as large as the batch and keeps nothing."""
+
+
+def own_key_share(size: int, keys_per_epoch: int) -> float:
+    """The share of an image's steps at which a FIFO queue of ``size`` keys still holds the image's key from the
+    previous epoch, with epochs of ``keys_per_epoch`` keys in a new random order each: the keys enqueued between the
+    two visits are the sum of two uniform positions (a triangular distribution on [0, 2E]), fewer than K with
+    probability (K/E)²/2 up to K = E, 1 − (2 − K/E)²/2 up to 2E, and 1 from there."""
+    k = size / keys_per_epoch
+    return 1.0 if k >= 2 else k * k / 2 if k <= 1 else 1 - (2 - k) ** 2 / 2
+
+
+def warn_own_keys(
+    who: str, field: str, size: int, images: Optional[int], per_image: int = 1, sampled: bool = False
+) -> None:
+    """One warning when a dictionary of ``size`` (a queue; a memory bank's ``sampled`` negatives) is more than half
+    an epoch of keys (``images`` × ``per_image``): an image's own earlier key then sits among its query's
+    negatives, and the model is taught to push apart two views of one image. Nothing when ``images`` is unknown."""
+    import warnings
+
+    if not images:
+        return
+    epoch = images * per_image
+    if size <= epoch / 2:
+        return
+    if sampled:  # each of `size` negatives drawn uniformly from the bank's `images` rows, with replacement
+        share = 1 - (1 - 1 / images) ** size
+        what = f"its own stored feature is among its {size} sampled negatives at {share:.0%} of its steps"
+    elif own_key_share(size, epoch) == 1:
+        what = (
+            "the queue holds two epochs of keys or more: every image's previous key is always among its own negatives"
+        )
+    else:
+        held = "a whole epoch of keys or more" if size >= epoch else "more than half an epoch of keys"
+        share = own_key_share(size, epoch)
+        what = f"the queue holds {held}: an image's previous key is among its own negatives at {share:.0%} of its steps"
+    keys = f" ({per_image} keys per image and epoch)" if per_image > 1 else ""
+    warnings.warn(
+        f"{who}: {field}={size} against {images} training images{keys}: {what}, which teaches the model to push apart "
+        f"two views of the same image; set {field} to at most {epoch // 2} (small-data recipes keep it near a tenth "
+        f"of the images: {max(1, images // 10)})",
+        stacklevel=3,
+    )

@@ -13,8 +13,8 @@ from moco_lightning.training.log_history import keep_history, read_csv_history
 
 
 class ExactResume(Callback):
-    """- ``attach`` (the module's ``configure_callbacks``: before the Trainer's set-up creates the loggers' writers): the
-      CSV loggers' rows read before Lightning's writer deletes them;
+    """- ``attach`` (the module's ``configure_callbacks``, before the Trainer's set-up creates the loggers' writers):
+      the CSV loggers' rows read before Lightning's writer deletes them;
     - ``on_load_checkpoint``: an epoch a ``max_steps`` stop cut short re-opened, the loggers' history before the
       checkpoint's step kept, and what the run resumes (this rank's RNG states, the schedules' plan) handed to the
       module (``pl_module.resume_state``: its ``configure_optimizers`` reads the plan);

@@ -120,6 +120,15 @@ def check_batch_size(module: Any) -> None:
         )
 
 
+def training_images(module: Any) -> Optional[int]:
+    """The images the training loader serves in an epoch, all ranks together (its dataset's length), or None when
+    that is not known (an iterable dataset, a loader without one)."""
+    try:
+        return len(module.trainer.train_dataloader.dataset)
+    except (TypeError, AttributeError):
+        return None
+
+
 def check_accumulation(module: Any) -> None:
     """A fit-start check: gradient accumulation that changes during the run (``GradientAccumulationScheduler``) is
     refused: the lr (per 256 images, scaled by the global batch) and the lr and momentum schedules are planned over
