@@ -350,9 +350,7 @@ def test_ddp_nan_on_one_rank_stops_every_rank_with_the_message(tmp_path):
         trainer.fit(model, NaNOnRank1(bad_batch=1))
     for rank in (0, 1):  # both ranks stopped with the clear message, at the same step (not a broken connection)
         text = (tmp_path / f"exception{rank}.txt").read_text()
-        assert (
-            text.startswith("FloatingPointError: MoCo:") and "at global step 1 (epoch 0, batch 1)" in text
-        ), text
+        assert text.startswith("FloatingPointError: MoCo:") and "at global step 1 (epoch 0, batch 1)" in text, text
         assert "Every rank stopped" in text and text.endswith("step 2")
     assert "another rank" in (tmp_path / "exception0.txt").read_text()  # rank 0's own loss was finite
 
