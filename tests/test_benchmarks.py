@@ -470,3 +470,16 @@ def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tm
                      "--results", str(tmp_path), "--trials", "0", "--qe-seconds", "1"])  # fmt: skip
     with pytest.raises(SystemExit):  # the fine-tuned accuracy is what --fast leaves out
         search.main(["--study", "r5", "--objective", "finetune", "--fast", "--results", str(tmp_path)])
+
+
+def test_supervised_baseline_writes_a_plain_state_dict_that_evaluate_reads(tmp_path):
+    from moco_lightning.downstream.baseline import read_baseline
+
+    out = run("supervised_baseline.py", "--epochs", "1", "--train-subset", "128", "--out", str(tmp_path / "sup.pt"))
+    assert "test top-1" in out
+    import torch
+
+    state = torch.load(tmp_path / "sup.pt", weights_only=True)
+    assert not hasattr(state, "_metadata") and "conv1.weight" in state  # no description: as a downloaded file
+    encoder, how = read_baseline(tmp_path / "sup.pt", 1, 28, arch="resnet18,stem=cifar_stride2")
+    assert encoder.architecture["width"] == 0.5 and "--baseline_arch" in how

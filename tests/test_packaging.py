@@ -57,7 +57,9 @@ def test_wheel_installs_one_namespace_and_imports(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0].startswith(str(site)) and "FashionMNISTDataModule" in out.stdout
-    assert wheel.name.startswith("moco_lightning-0.2.0-")  # setup.cfg reads the version from moco_lightning/version.py
+    from moco_lightning.version import __version__
+
+    assert wheel.name.startswith(f"moco_lightning-{__version__}-")  # setup.cfg reads the version from version.py
 
 
 def test_lightning_requirement_forwards_set_epoch_to_our_samplers():

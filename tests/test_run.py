@@ -342,3 +342,14 @@ def test_the_trainer_features_a_project_uses_run(feature, tmp_path):
         assert trainer.global_step == 12
     if feature == "monitor":
         assert torch.load(callbacks[0].best_model_path, weights_only=True)["moco_lightning"]["module"].endswith("MoCo")
+
+
+def test_swav_names_an_on_after_backward_override_that_leaves_the_prototypes_unfrozen():
+    """SwAV's prototypes stay frozen in the first epochs by dropping their gradient in ``on_after_backward``: an
+    override without ``super()`` is one line at the next step (after the frozen epochs, nothing to say)."""
+    user = type("UserSwAV", (ml.SwAV,), {"on_after_backward": lambda self: None, "__module__": __name__})
+    with pytest.raises(ConfigError, match=r"UserSwAV\.on_after_backward overrides .* super\(\)"):
+        cpu_trainer(max_steps=2, limit_val_batches=0).fit(tiny(user, freeze_prototypes_epochs=1.0), tiny_data())
+    unfrozen = tiny(user, freeze_prototypes_epochs=0.0)
+    cpu_trainer(max_steps=2, limit_val_batches=0).fit(unfrozen, tiny_data())
+    assert unfrozen.global_step == 2

@@ -190,7 +190,9 @@ class LinearClassifier(SafeLoading, LightningModule):
     def configure_callbacks(self) -> list:
         """The run's machinery (:data:`moco_lightning.run.CLASSIFIER`) unless ``run_callbacks=False``; a type the
         Trainer holds an instance of already (the user's own) is left out."""
-        return run.missing(self.trainer, run.CLASSIFIER if self.hparams.get("run_callbacks", True) else ())
+        return run.missing(
+            _lightning.attached_trainer(self), run.CLASSIFIER if self.hparams.get("run_callbacks", True) else ()
+        )
 
     def unfreeze(self) -> None:
         """Lightning's ``unfreeze``, the frozen backbone of a linear evaluation kept frozen (``finetune=False``)."""

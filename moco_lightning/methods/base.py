@@ -178,7 +178,7 @@ class Pretraining(SafeLoading, LightningModule):
         unless ``run_callbacks=False``; a type the Trainer holds an instance of already (the user's own) is left out.
         A subclass that adds callbacks returns ``[*super().configure_callbacks(), *its_own]``."""
         kinds = (run.FitSetup, *(run.PRETRAINING if self.hparams.get("run_callbacks", True) else ()))
-        return run.missing(self.trainer, kinds)
+        return run.missing(self.attached_trainer(), kinds)
 
     def prepare_run(self, stage: str) -> None:
         """:class:`~moco_lightning.run.FitSetup`'s ``setup``: for any stage, the buffers DDP must not re-broadcast and

@@ -20,7 +20,7 @@ from lightly.loss import SwaVLoss
 from lightly.models.modules.heads import SwaVProjectionHead
 from torch import Tensor, nn
 
-from moco_lightning.errors import check_arguments
+from moco_lightning.errors import ConfigError, check_arguments
 from moco_lightning.methods.base import Pretraining
 from moco_lightning.modules.heads import Prototypes
 from moco_lightning.training.plan import steps_per_epoch
@@ -69,6 +69,7 @@ class SwAV(Pretraining):
             sinkhorn_gather_distributed=True,
         )
         self._frozen_steps = 0  # optimizer steps without prototype updates, from freeze_prototypes_epochs
+        self._drop_due = False  # a training step's prototype gradient awaits on_after_backward's drop
 
     def trained_modules(self) -> list[nn.Module]:
         return [self.backbone, self.projection_head, self.prototypes]
@@ -88,7 +89,24 @@ class SwAV(Pretraining):
         low = self.scores(list(views[2:]))[0] if len(views) > 2 else []
         with torch.autocast(high[0].device.type, enabled=False):  # exp(score / ε) in fp32
             loss = self.criterion(high, low)
+        self._drop_due = self.training and torch.is_grad_enabled() and self.global_step < self._frozen_steps
         return dict(loss=loss.squeeze(), features=features)
+
+    def loss_is_usable(self, loss: Tensor, batch_idx: int, views: Sequence[Tensor] = ()) -> bool:
+        usable = super().loss_is_usable(loss, batch_idx, views)
+        self._drop_due = self._drop_due and usable  # a skipped batch has no backward
+        return usable
+
+    def check_step_finished(self) -> None:
+        """Also: the prototypes' gradient of the last step was dropped (frozen epochs), else one line naming
+        ``on_after_backward``."""
+        super().check_step_finished()
+        if self._drop_due:
+            raise ConfigError(
+                f"{type(self).__name__}.on_after_backward overrides SwAV.on_after_backward without calling "
+                "super().on_after_backward(): the prototypes were not kept frozen in the first "
+                f"freeze_prototypes_epochs={self.hparams.freeze_prototypes_epochs}; call super() in it"
+            )
 
     def begin_training(self) -> None:
         super().begin_training()
@@ -97,3 +115,4 @@ class SwAV(Pretraining):
     def on_after_backward(self) -> None:
         if self.global_step < self._frozen_steps:  # after DDP's all-reduce: every rank drops the same gradient
             self.prototypes.layer.weight.grad = None
+        self._drop_due = False
