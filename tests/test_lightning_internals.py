@@ -73,3 +73,16 @@ def test_the_config_dump_is_lightnings(tmp_path):
     del cli.config_dump
     LightningCLI._dump_config(cli)
     assert ours == cli.config_dump and ours["model"]["init_args"]["temperature"] == 0.3
+
+
+def test_the_tuners_private_names_the_library_uses_still_exist():
+    """``LearningRateFinder._attr_name`` / ``_update_attr`` (where lr_find writes its suggestion) and the tuners'
+    checkpoint names (a tuner's restore is not a resume)."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+    from lightning.pytorch.tuner import batch_size_scaling, lr_finder
+
+    finder = LearningRateFinder()
+    assert finder._attr_name == "" and finder._update_attr is True, "LearningRateFinder._attr_name / _update_attr"
+    for module, prefix in ((lr_finder, ".lr_find_"), (batch_size_scaling, ".scale_batch_size_")):
+        assert f'f"{prefix}{{uuid.uuid4()}}.ckpt"' in inspect.getsource(module), f"the tuners' checkpoint {prefix}*"
+        assert prefix in _lightning.TUNER_CHECKPOINTS

@@ -464,3 +464,30 @@ def test_a_torn_empty_or_text_checkpoint_is_one_error_naming_the_file(tmp_path, 
     bad.write_bytes(content)
     with pytest.raises(ConfigError, match=rf"^model.ckpt_path {re.escape(str(bad))}: {said}"):
         LinearClassifier(ckpt_path=str(bad), num_classes=10)
+
+
+def test_a_preempted_linear_evaluation_saves_a_resumable_checkpoint_at_a_step_boundary(seeded, tmp_path, capsys):
+    """The classifier brings the run callbacks too (``moco_lightning.run.CLASSIFIER``): SIGTERM saves last.ckpt at
+    the end of the step it arrived in; with ``run_callbacks=False`` none of them is added."""
+    import signal
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from moco_lightning import run
+
+    class Term(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                signal.raise_signal(signal.SIGTERM)
+
+    model = LinearClassifier(backbone=frozen_backbone(), feature_dim=8, num_classes=3)
+    t = trainer(max_epochs=4, callbacks=[Term()], default_root_dir=tmp_path)
+    with pytest.raises(SIGTERMException):
+        t.fit(model, datamodule=Separable())
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3 and "SIGTERM at step 3" in capsys.readouterr().err
+    assert {type(c) for c in t.callbacks} >= set(run.CLASSIFIER)
+    plain = trainer(max_steps=1)
+    plain.fit(LinearClassifier(backbone=frozen_backbone(), feature_dim=8, num_classes=3, run_callbacks=False),
+              datamodule=Separable())  # fmt: skip
+    assert not {type(c) for c in plain.callbacks} & set(run.CLASSIFIER)

@@ -78,7 +78,8 @@ def test_lightning_requirement_forwards_set_epoch_to_our_samplers():
         for r in cfg["options"]["install_requires"].splitlines()
         if r.strip() and not r.strip().startswith("#")
     ]
-    assert "lightning>=2.6.1" in requires
+    # the fix from below; from above, the newest minor the suite passed on (_lightning.py uses private names)
+    assert "lightning>=2.6.1,<2.7" in requires
     inner = SeededRandomSampler(20, seed=0)
     wrapper = DistributedSamplerWrapper(inner, num_replicas=2, rank=0, shuffle=False)
     first = list(wrapper)
