@@ -45,7 +45,7 @@ def read_baseline(
         state = OrderedDict((k.removeprefix("module."), v) for k, v in (obj.get("state_dict") or obj).items())
         architecture, how = architecture_of_weights(state, arch, source)
         state = backbone_weights(state, architecture, source)
-    first = next((k for k, v in state.items() if v.ndim == 4), None)  # the first convolution's kernel
+    first = first_conv(state)
     steps = [how, f"the datamodule's images ({image_size} px, {in_channels} channel(s), its mean and std)"]
     trained = int(state[first].shape[1]) if first else in_channels
     if first and trained != in_channels:
@@ -108,7 +108,8 @@ def recognised_resnet(state: dict) -> Optional[str]:
 
 def backbone_weights(state: dict, architecture: dict, source: str | Path) -> OrderedDict:
     """``state`` as the backbone's weights: the classifier's dropped, every backbone weight present."""
-    backbone, _ = build_backbone(**{**architecture, "in_channels": _channels(state)})
+    first = first_conv(state)
+    backbone, _ = build_backbone(**{**architecture, "in_channels": int(state[first].shape[1]) if first else 3})
     expected = backbone.state_dict().keys()
     missing = [k for k in expected if k not in state]
     extra = [k for k in state if k not in expected and not k.startswith(CLASSIFIERS)]
@@ -123,6 +124,6 @@ def backbone_weights(state: dict, architecture: dict, source: str | Path) -> Ord
     return OrderedDict((k, state[k]) for k in expected)
 
 
-def _channels(state: dict) -> int:
-    first = next((v for v in state.values() if isinstance(v, torch.Tensor) and v.ndim == 4), None)
-    return int(first.shape[1]) if first is not None else 3
+def first_conv(state: dict) -> Optional[str]:
+    """The name of the first convolution's kernel (the first 4-d tensor): the one that meets the image's channels."""
+    return next((k for k, v in state.items() if isinstance(v, torch.Tensor) and v.ndim == 4), None)
