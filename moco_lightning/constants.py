@@ -1,5 +1,9 @@
 """Constants shared by the datamodules and the downstream side: the normalisation of ImageNet-pretrained
-encoders (torchvision's) and its one-channel average. Imports nothing."""
+encoders (torchvision's) and its one-channel average; the checkpoint format's version. Imports nothing."""
+
+#: the layout of ``checkpoint["moco_lightning"]``: bumped when it changes (older formats are upgraded on reading,
+#: :func:`moco_lightning.training.compat.upgrade`; a newer one is refused)
+FORMAT_VERSION = 4
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

@@ -10,7 +10,7 @@ The file is read once, into an :class:`Encoder` (weights, architecture, the eval
 it came from: :meth:`Encoder.read`, the one loader), and that object is passed on: ``evaluate`` builds its features
 and every label budget's classifier from it (:meth:`LinearClassifier.on_encoder
 <moco_lightning.downstream.linear_eval.LinearClassifier.on_encoder>`). The functions below it
-(:func:`encoder_of`, :func:`load_encoder`, :func:`load_transform`...) are thin aliases kept for earlier callers.
+(:func:`load_encoder`, :func:`encoder_from`, :func:`load_transform`) are thin aliases kept for their callers.
 """
 
 from __future__ import annotations
@@ -224,14 +224,6 @@ def read_encoder(source: Union[str, Path, Encoder], arg: str = "model.ckpt_path"
 
 
 # --- thin aliases of Encoder, for earlier callers --------------------------------------------------------------
-def encoder_of(
-    source: str | Path, expect: Literal["export", "either"] = "either", arg: str = "model.ckpt_path"
-) -> tuple[OrderedDict, dict]:
-    """``(backbone state dict, architecture)`` of ``source``: :meth:`Encoder.read`."""
-    encoder = Encoder.read(source, expect, arg)
-    return encoder.state, encoder.architecture
-
-
 def load_encoder(
     source: str | Path,
     weights: bool = True,
@@ -250,8 +242,3 @@ def encoder_from(state: Any, architecture: dict, weights: bool = True) -> tuple[
 def load_transform(source: str | Path, arg: str = "--ckpt") -> Callable:
     """The evaluation transform of ``source``'s encoder: :meth:`Encoder.transform`."""
     return Encoder.read(source, arg=arg).transform()
-
-
-def transform_of(state: Any, architecture: dict, source: Any) -> Callable:
-    """:meth:`Encoder.transform` of a backbone state and architecture read already."""
-    return Encoder(state, architecture, str(source)).transform()

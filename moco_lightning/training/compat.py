@@ -20,8 +20,9 @@ import re
 import warnings
 from typing import Any, Mapping, Optional
 
+from moco_lightning.constants import FORMAT_VERSION as CURRENT_FORMAT  # formats below it are upgraded here
+
 REMOVED_IN = "0.4.0"  # the release that stops reading the formats of 0.1 and 0.2
-CURRENT_FORMAT = 4  # moco_lightning.training.run_state.FORMAT_VERSION: formats below it are upgraded here
 
 
 _PACKAGES = {

@@ -16,12 +16,11 @@ from typing import Any, Mapping, Optional, Protocol
 import numpy as np
 import torch
 
+from moco_lightning.constants import FORMAT_VERSION
 from moco_lightning.errors import ConfigError
 from moco_lightning.modules.distributed import gather_objects, rank, world_size
 from moco_lightning.training.compat import rng_states_per_rank, stem_of_cifar_stem, upgrade
 from moco_lightning.version import __version__
-
-FORMAT_VERSION = 4  # bumped when the layout of the saved state changes
 
 
 class Resumable(Protocol):
