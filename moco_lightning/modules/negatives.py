@@ -65,13 +65,12 @@ def warn_own_keys(
     if sampled:  # each of `size` negatives drawn uniformly from the bank's `images` rows, with replacement
         share = 1 - (1 - 1 / images) ** size
         what = f"its own stored feature is among its {size} sampled negatives at {share:.0%} of its steps"
-    elif own_key_share(size, epoch) == 1:
+    elif (share := own_key_share(size, epoch)) == 1:
         what = (
             "the queue holds two epochs of keys or more: every image's previous key is always among its own negatives"
         )
     else:
         held = "a whole epoch of keys or more" if size >= epoch else "more than half an epoch of keys"
-        share = own_key_share(size, epoch)
         what = f"the queue holds {held}: an image's previous key is among its own negatives at {share:.0%} of its steps"
     keys = f" ({per_image} keys per image and epoch)" if per_image > 1 else ""
     warnings.warn(
