@@ -92,14 +92,14 @@ def check_split_bn(device: str, size: dict, deadline: float) -> Result:
 
 
 def check_bf16_logits(device: str, size: dict, deadline: float) -> Result:
-    from moco_lightning.modules.loss import contrastive_similarities
+    from moco_lightning.modules.loss import info_nce
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k = (nn.functional.normalize(torch.randn(256, 128, device=device, generator=g), dim=1) for _ in range(2))
     queue = nn.functional.normalize(torch.randn(size["queue"], 128, device=device, generator=g), dim=1)
-    exact = contrastive_similarities(q.double(), k.double(), queue.double())[0]
+    exact = info_nce(q.double(), k.double(), queue.double(), 1.0)[1]
     with torch.autocast(device, dtype=torch.bfloat16):
-        ours = contrastive_similarities(q, k, queue)[0]
+        ours = info_nce(q, k, queue, 1.0)[1]
         naive = torch.cat([(q * k).sum(1, keepdim=True), q @ queue.T], 1)
     err = lambda s: (s.double() - exact).abs().max().item() / 0.2  # noqa: E731 - in logit units at T = 0.2
     line = f"K {size['queue']}: max logit error ours {err(ours):.2e} ({ours.dtype}), bf16 product {err(naive):.2e}"

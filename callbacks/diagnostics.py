@@ -57,7 +57,7 @@ class RepresentationDiagnostics(Callback):
     three are skipped. The key-encoder change needs the module's ``momentum_copies()``
     (``{"backbone": "key_backbone", ...}``, as :class:`moco_lightning.Pretraining` has); the queue age
     needs a ``dictionary`` submodule with a buffer ``enqueued_at`` (the global step at which each slot
-    was written, -1 for never: :class:`moco_lightning.modules.queue.KeyQueue`). The callback only reads the
+    was written, -1 for never: :class:`moco_lightning.modules.dictionary.KeyQueue`). The callback only reads the
     module.
 
     For the key-encoder change a flat copy of its parameters is kept only from the step before a

@@ -28,7 +28,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from moco_lightning.errors import ConfigError
-from moco_lightning.training.compat import augment_states_per_rank
 
 from .loading import Batch, EpochPosition, ResumableDataLoader, SeededRandomSampler, collate  # noqa: F401
 
@@ -109,7 +108,7 @@ class TwoViewDataModule(LightningDataModule):
         return {"augment_rng": gather_objects(mine)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._generator_states = augment_states_per_rank(state_dict.get("augment_rng"))
+        self._generator_states = state_dict.get("augment_rng")  # one per rank
         self._generator = None
 
     def _rank(self) -> int:

@@ -18,6 +18,7 @@ from helpers.cli import in_process
 
 from moco_lightning import MoCo, Pretraining, load_backbone
 from moco_lightning.cli import run_cli
+from moco_lightning.constants import FORMAT_VERSION
 from moco_lightning.errors import ConfigError
 from moco_lightning.training.checkpoint_io import ALLOW_PICKLE, read_checkpoint
 
@@ -149,7 +150,8 @@ def test_ckpt_path_last_skips_a_refused_newest_checkpoint_saying_why(evil, tmp_p
 @pytest.mark.parametrize("name", ["MoCo", "MoCoV3", "EndToEnd", "MemoryBankMoCo", "SimCLR", "BYOL", "SwAV"])
 def test_the_previous_formats_checkpoints_load_weights_only(name):
     checkpoint = read_checkpoint(Path(__file__).parent / "fixtures" / "format2" / f"{name}.ckpt")
-    assert checkpoint["moco_lightning"]["format_version"] == 2 and checkpoint["global_step"] == 2
+    meta = checkpoint["moco_lightning"]  # read weights-only, and upgraded to today's format by the reader
+    assert meta["upgraded_from"] == 2 and meta["format_version"] == FORMAT_VERSION and checkpoint["global_step"] == 2
 
 
 # --- a resumed run keeps its logs ----------------------------------------------------------------

@@ -11,7 +11,7 @@ from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, seed_everything
 
 from moco_lightning import EndToEnd, MemoryBankMoCo, MoCo
-from moco_lightning.modules.negatives import InBatch
+from moco_lightning.modules.dictionary import InBatch
 
 
 @pytest.mark.parametrize("dictionary", ["queue", "batch", "memory_bank"])

@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from moco_lightning import MoCo
+from moco_lightning.modules.dictionary import KeyQueue
 from moco_lightning.modules.distributed import concat_all_gather, shuffle_across_ranks, unshuffle_across_ranks
-from moco_lightning.modules.queue import KeyQueue
 from moco_lightning.modules.split_bn import SplitBatchNorm2d, convert_split_bn
 from moco_lightning.run import NanStop
 
@@ -449,10 +449,10 @@ def test_another_number_of_processes_continues_at_an_epochs_end_and_is_refused_m
     import warnings
 
     from helpers.data import tiny_data
+    from helpers.models import cosine
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from moco_lightning.errors import ConfigError
-    from moco_lightning.modules.optim import cosine
 
     def run(devices, tag, ckpt_path=None):
         seed_everything(0, verbose=False)

@@ -2,7 +2,6 @@
 names of the flat layout (0.3 and earlier) still import."""
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
@@ -116,29 +115,6 @@ def test_no_file_over_its_line_limit(folder, limit):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > limit}  # fmt: skip
     assert not long, long
-
-
-def test_the_flat_layouts_module_names_import_the_same_objects():
-    """``from moco_lightning.queue import ...`` (0.3 and earlier) keeps working: the old module name is the new
-    module object."""
-    from moco_lightning.training.compat import MOVED
-
-    assert len(MOVED) > 30
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from moco_lightning.linear_eval import LinearClassifier
-    from moco_lightning.queue import KeyQueue
-
-    assert KeyQueue is importlib.import_module("moco_lightning.modules.queue").KeyQueue
-    assert LinearClassifier.__module__ == "moco_lightning.downstream.linear_eval"
-
-
-def test_a_checkpoints_old_class_path_names_the_moved_class():
-    from moco_lightning.methods.v3 import MoCoV3
-    from moco_lightning.training.run_state import imported_class
-
-    assert imported_class("moco_lightning.v3.MoCoV3") is MoCoV3
-    assert imported_class("moco_lightning.MoCoV3") is MoCoV3
 
 
 def test_help_lists_every_subcommand(capsys):

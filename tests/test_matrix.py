@@ -267,7 +267,7 @@ def test_training_longer_follows_the_schedules_of_the_new_length(method, tmp_pat
     """A finished 2-epoch run (8 steps, cosine lr with a 2-step warm-up, the momentum on its cosine where the method
     has one) resumed with ``--ckpt_path last --trainer.max_epochs 4``: the 8 added steps train (the backbone moves)
     at the lr and momentum of a run planned for 16 steps, step for step, and the warning names the real end step."""
-    from moco_lightning.modules.optim import cosine
+    from helpers.models import cosine
 
     name = METHODS[method][0]
     schedules = dict(lr_schedule="cosine", warmup_epochs=0.5)
@@ -453,10 +453,11 @@ FIXTURE_ARGS = {
 }
 
 
-@pytest.mark.parametrize("name", CLASSES)
+@pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.ckpt")))  # a method newer than 0.2 has none
 def test_a_checkpoint_of_the_previous_format_loads_resumes_and_exports(name, tmp_path):
-    """Tiny checkpoints written by moco-lightning 0.2.0 (format 2, `moco-lightning fit`, 2 steps): MoCo v3,
-    EndToEnd and MemoryBankMoCo ones could not be reloaded then; they load, resume and export now."""
+    """Tiny checkpoints written by moco-lightning 0.2.0 (format 2, `moco-lightning fit`, 2 steps), one per method that
+    release had: MoCo v3, EndToEnd and MemoryBankMoCo ones could not be reloaded then; they load, resume and export
+    now."""
     from moco_lightning.cli.export import main as export
 
     path = FIXTURES / f"{name}.ckpt"

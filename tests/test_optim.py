@@ -1,14 +1,12 @@
-"""The optimizers and schedules: MoCo v3's LARS rule against a float64 reference of the formula, no host reads,
-the parameter groups of each recipe, and every lr schedule at chosen steps against its formula."""
-
-import math
+"""The optimizers: MoCo v3's LARS rule against a float64 reference of the formula, no host reads, the parameter
+groups of each recipe (the schedules: test_plan.py, test_momentum.py)."""
 
 import pytest
 import torch
 from lightly.utils.lars import LARS as LightlyLARS
 from torch import nn
 
-from moco_lightning.modules.optim import LARS, build_optimizer, lr_factor, momentum_at
+from moco_lightning.modules.optim import LARS, build_optimizer
 
 
 def reference_lars_step(params, grads, bufs, lr, momentum, weight_decay, tc):
@@ -113,35 +111,3 @@ def test_parameter_groups_of_each_optimizer():
     for flag in (True, False):
         lars = build_optimizer("lars", [net], 0.1, 1e-6, 0.9, decay_norm_bias=flag)
         assert isinstance(lars, LARS) and len(lars.param_groups) == 1 and len(lars.param_groups[0]["params"]) == n
-
-
-def test_warmup_then_cosine_is_the_official_v3_formula_at_chosen_steps():
-    """moco-v3's adjust_learning_rate at t = step/steps_per_epoch: lr·t/w during warm-up (0 at the first step), then
-    lr·(1 + cos(π(t − w)/(E − w)))/2."""
-    steps_per_epoch, warmup_epochs, epochs = 10, 2, 10
-    f = lr_factor("cosine", warmup_epochs * steps_per_epoch, epochs * steps_per_epoch, [])
-    for step in (0, 1, 7, 19, 20, 21, 55, 99):
-        t = step / steps_per_epoch
-        expected = (
-            t / warmup_epochs
-            if t < warmup_epochs
-            else 0.5 * (1 + math.cos(math.pi * (t - warmup_epochs) / (epochs - warmup_epochs)))
-        )
-        assert f(step) == pytest.approx(expected, abs=1e-12), step
-    assert f(0) == 0.0 and f(20) == 1.0
-
-
-def test_cosine_without_warmup_and_the_v1_steps_at_chosen_steps():
-    f = lr_factor("cosine", 0, 200, [])
-    assert [f(s) for s in (0, 50, 100, 150, 200)] == pytest.approx([1.0, (1 + 2**-0.5) / 2, 0.5, (1 - 2**-0.5) / 2, 0])
-    v1 = lr_factor("step", 0, 200, [120, 160])  # the v1 paper's ×0.1 at epochs 120 and 160 (1 step per epoch here)
-    assert [v1(s) for s in (0, 119, 120, 159, 160, 199)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.01])
-    assert lr_factor("constant", 3, 100, [])(50) == 1.0 and lr_factor("constant", 3, 100, [])(1) == pytest.approx(1 / 3)
-
-
-def test_cosine_momentum_is_m_of_j_after_the_j_th_step():
-    """The official v3 values of a 4-step run: m(1..4) = 0.99146, 0.995, 0.99854, 1 (m(0) = m₀ is the no-op update
-    on identical encoders that the official code makes before its first step)."""
-    got = [momentum_at(j, 4, 0.99, "cosine") for j in range(5)]
-    assert got == pytest.approx([0.99, 0.991464466, 0.995, 0.998535534, 1.0], abs=1e-9)
-    assert momentum_at(3, 4, 0.99, "constant") == 0.99

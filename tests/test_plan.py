@@ -1,18 +1,19 @@
 """The schedules' plan: a fit given another length in the middle stretches the rest of its lr and momentum
 schedules (continuous at that step, the planned end at the new last step) and stops there."""
 
+import functools
 import math
 import warnings
 
 import pytest
 from helpers.data import tiny_data
-from helpers.models import tiny_moco
+from helpers.models import cosine, tiny_moco
 from helpers.trainers import cpu_trainer
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from moco_lightning.errors import ConfigError
-from moco_lightning.modules.optim import cosine
+from moco_lightning.training import plan
 from moco_lightning.training.plan import change_length
 
 
@@ -79,7 +80,7 @@ def test_a_resumed_run_of_another_length_follows_the_schedules_of_that_length(tm
     """Resumed at step 4 with max_steps 16 (or 6) instead of 8: from step 4 on, the lr and the momentum are those of
     a run planned for 16 (or 6) steps, as if it had been planned so from the start (warm-up unchanged: 1 step), ending
     at lr 0 and momentum 1 on the last step; the warning names the step the run ends at and the lr it follows."""
-    from moco_lightning.modules.optim import cosine
+    from helpers.models import cosine
 
     planned, resumed, messages = _planned_then_resumed(tmp_path, steps_then)
     peak = 0.06 * 16 / 256
@@ -106,3 +107,32 @@ def test_a_resumed_run_with_another_batch_rescales_the_lr_and_says_so(tmp_path):
     assert any("global batch is 32, the checkpoint's run used 16" in m and "rescaled by 2" in m for m in messages)
     with pytest.raises(ConfigError, match=r"mid-epoch .*batch_size 16 then, 32 now"):
         _planned_then_resumed(tmp_path / "mid", 8, batch_then=32, resume_at=2)
+
+
+def lr_factor(schedule, warmup, total, milestones):
+    """The lr multiplier of each step on a plan of ``total`` steps that never changed length."""
+    return functools.partial(plan.lr_factor, plan.StepPlan(total, warmup, milestones, 256), schedule)
+
+
+def test_warmup_then_cosine_is_the_official_v3_formula_at_chosen_steps():
+    """moco-v3's adjust_learning_rate at t = step/steps_per_epoch: lr·t/w during warm-up (0 at the first step), then
+    lr·(1 + cos(π(t − w)/(E − w)))/2."""
+    steps_per_epoch, warmup_epochs, epochs = 10, 2, 10
+    f = lr_factor("cosine", warmup_epochs * steps_per_epoch, epochs * steps_per_epoch, [])
+    for step in (0, 1, 7, 19, 20, 21, 55, 99):
+        t = step / steps_per_epoch
+        expected = (
+            t / warmup_epochs
+            if t < warmup_epochs
+            else 0.5 * (1 + math.cos(math.pi * (t - warmup_epochs) / (epochs - warmup_epochs)))
+        )
+        assert f(step) == pytest.approx(expected, abs=1e-12), step
+    assert f(0) == 0.0 and f(20) == 1.0
+
+
+def test_cosine_without_warmup_and_the_v1_steps_at_chosen_steps():
+    f = lr_factor("cosine", 0, 200, [])
+    assert [f(s) for s in (0, 50, 100, 150, 200)] == pytest.approx([1.0, (1 + 2**-0.5) / 2, 0.5, (1 - 2**-0.5) / 2, 0])
+    v1 = lr_factor("step", 0, 200, [120, 160])  # the v1 paper's ×0.1 at epochs 120 and 160 (1 step per epoch here)
+    assert [v1(s) for s in (0, 119, 120, 159, 160, 199)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.01])
+    assert lr_factor("constant", 3, 100, [])(50) == 1.0 and lr_factor("constant", 3, 100, [])(1) == pytest.approx(1 / 3)

@@ -46,9 +46,13 @@ def test_split_shuffle_bn_permutes_the_key_batch_before_batchnorm(seeded):
     k = model.key(x)
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(1_000_003 * (0 + 1)))  # global step 0
     assert not torch.equal(perm, torch.arange(8))
+
+    def encode(x):  # f_k alone, no shuffle
+        return torch.nn.functional.normalize(model.key_projection_head(model.key_backbone(x)), dim=1)
+
     with torch.no_grad():
-        shuffled = model._encode_key(x[perm])
-        plain = model._encode_key(x)
+        shuffled = encode(x[perm])
+        plain = encode(x)
     torch.testing.assert_close(k, torch.empty_like(shuffled).index_copy_(0, perm, shuffled), rtol=0, atol=1e-6)
     assert (k - plain).abs().max() > 1e-3  # the permutation changed what each sub-batch's BatchNorm saw
 

@@ -29,7 +29,7 @@ from moco_lightning.errors import BadInputError, ConfigError
 from moco_lightning.methods.base import Pretraining
 from moco_lightning.methods.moco import MoCo
 from moco_lightning.training.checkpoint_io import read_checkpoint
-from moco_lightning.training.compat import stem_of_cifar_stem, upgrade
+from moco_lightning.training.compat import stem_of_cifar_stem
 from moco_lightning.training.precision import AutoPrecisionTrainer
 
 
@@ -86,8 +86,6 @@ class MoCoCLI(CLIHooks, LightningCLI):
         if not path or not Path(path).is_file():
             return
         checkpoint = read_checkpoint(path, arg="--ckpt_path", keep=True)
-        cls = _model_class(self._given_model, self._default_model or self.model_class)
-        upgrade(checkpoint, cls)
         hparams = dict(checkpoint.get("hyper_parameters") or {})
         hparams.pop("_instantiator", None)
         if not hparams:

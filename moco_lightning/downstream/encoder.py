@@ -32,7 +32,6 @@ from moco_lightning.constants import IMAGENET_MEAN, IMAGENET_STD, default_normal
 from moco_lightning.errors import ConfigError
 from moco_lightning.modules.backbones import build_backbone, is_backbone_spec
 from moco_lightning.training.checkpoint_io import read_checkpoint
-from moco_lightning.training.compat import format2_momentum_copy
 
 ARCHITECTURE = ("backbone", "cifar_stem", "in_channels", "image_size", "width", "stem")  # build_backbone's arguments
 ARCHITECTURE_KEY = "moco_lightning"  # the key of the architecture in an export's _metadata
@@ -61,10 +60,8 @@ def transform_in(state: Any) -> Optional[dict]:
 
 def momentum_backbone(checkpoint: dict) -> Optional[str]:
     """The state-dict name of the backbone's momentum copy (MoCo's key encoder, BYOL's target), or None."""
-    copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies")
-    if copies is not None:
-        return copies.get("backbone")
-    return format2_momentum_copy(checkpoint["state_dict"])
+    copies = (checkpoint.get("moco_lightning") or {}).get("momentum_copies") or {}
+    return copies.get("backbone")
 
 
 def checkpoint_backbone(

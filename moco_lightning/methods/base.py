@@ -30,9 +30,9 @@ from moco_lightning import _lightning, run
 from moco_lightning.errors import ConfigError, check_arguments
 from moco_lightning.modules.backbones import build_backbone, is_backbone_spec
 from moco_lightning.modules.batches import is_views_batch, split_views
+from moco_lightning.modules.dictionary import Negatives
 from moco_lightning.modules.distributed import concat_all_gather, end_process_group_at_exit, equal_batches, world_size
 from moco_lightning.modules.momentum import MomentumCopy
-from moco_lightning.modules.negatives import Negatives
 from moco_lightning.training import plan, run_state
 from moco_lightning.training.checkpoint import SafeLoading
 from moco_lightning.training.compat import warn_cifar_stem
@@ -115,7 +115,7 @@ class Pretraining(SafeLoading, LightningModule):
         self._prepared = False  # FitSetup prepared this fit (the first training step checks)
         self._unfinished = False  # a training step ran whose finish_step has not
         self._equal_batches = False  # every rank's batch has the same size: gathers need not exchange sizes first
-        self._stepped = 0  # global_step when optimizer_stepped() last said so
+        self._stepped = 0  # global_step at the last finish_step (another one: an optimizer step was taken)
 
     # --- features ---------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
@@ -231,11 +231,6 @@ class Pretraining(SafeLoading, LightningModule):
         (:func:`~moco_lightning.training.run_state.check_checkpoint`)."""
         run_state.check_checkpoint(self, checkpoint, resuming)
 
-    def optimizer_stepped(self) -> bool:
-        """True once after each optimizer step (not after a gradient-accumulation micro-batch): for momentum updates."""
-        stepped, self._stepped = self.global_step != self._stepped, self.global_step
-        return stepped
-
     def check_step_finished(self) -> None:
         """The hooks a step relies on ran: :class:`~moco_lightning.run.FitSetup` before the first step, the module's
         ``on_train_batch_end`` after each; else one line naming the hook (at the next step and at the end of
@@ -273,14 +268,16 @@ class Pretraining(SafeLoading, LightningModule):
         self.check_step_finished()
         views, index = self.split_batch(batch)
         out = self.views_loss(views, index)
-        if not self.loss_is_usable(out["loss"], batch_idx, views):
-            return None
+        if self.hparams.on_nan == "skip" and not self.loss_is_usable(out["loss"], batch_idx, views):
+            return None  # (on_nan="raise": NanStop records the loss's flag after the step, on the device)
         # What the dictionary keeps is gathered from all ranks here, where every rank runs the same code: the
         # momentum update and the store after the optimizer step are then local, and so is a checkpoint save.
-        self._stored = tuple(concat_all_gather(rows, self._equal_sizes) for rows in out.pop("stored", ()))
+        stored = out.pop("stored", ())
+        if self.trainer.world_size > 1:
+            stored = tuple(concat_all_gather(rows, self._equal_batches) for rows in stored)
+        self._stored = stored
         self._unfinished = self.momentum_copy is not None or bool(self._stored)  # finish_step's work is due
         self.log_step("train", out, on_step=True, on_epoch=False)
-        self.log_lr(**(self.momentum_copy.scalars(self) if self.momentum_copy is not None else {}))
         return {key: out[key] for key in ("loss", "features", "q", "k") if key in out}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -290,20 +287,28 @@ class Pretraining(SafeLoading, LightningModule):
             self.log_step("val", out, on_step=False, on_epoch=True, sync_dist=True)
 
     def log_step(self, stage: str, out: dict, **kwargs: Any) -> None:
-        """``<stage>/loss`` and the method's ``metrics``; in the progress bar for validation only (a training-step
-        tensor there is read on the host every step)."""
+        """``<stage>/loss`` and the method's ``metrics``; a training step also the lr and the momentum of the update
+        that follows it. In the progress bar for validation only (a training-step tensor there is read on the host
+        every step); the training scalars from pinned memory, asynchronously (a Python float given to ``self.log``
+        becomes a blocking copy)."""
         self.log(f"{stage}/loss", out["loss"], prog_bar=stage != "train", **kwargs)
-        if out.get("metrics"):
-            self.log_dict({f"{stage}/{name}": value for name, value in out["metrics"].items()}, **kwargs)
+        metrics = {f"{stage}/{name}": value for name, value in out.get("metrics", {}).items()}
+        if stage == "train":
+            scalars = {"lr": self.trainer.optimizers[0].param_groups[0]["lr"]}
+            if self.momentum_copy is not None:
+                scalars["train/momentum"] = self.momentum_copy.at(self, self.global_step + 1)
+            pinned = self.device.type == "cuda"
+            for name, value in scalars.items():
+                metrics[name] = torch.tensor(value, dtype=torch.float32, pin_memory=pinned).to(
+                    self.device, non_blocking=True
+                )
+        if metrics:
+            self.log_dict(metrics, **kwargs)
 
     def loss_is_usable(self, loss: Tensor, batch_idx: int, views: Sequence[Tensor] = ()) -> bool:
-        """False: skip this batch (``on_nan="skip"``); a non-finite loss raises at the NaN guard's next check (a
-        logging step, a checkpoint, the end), saying so when the batch's images (``views``) held non-finite values."""
+        """``on_nan="skip"``: False skips this batch (the loss read on the host, with a warning)."""
         where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        # read on the host only when Lightning reads its logged metrics: every log_every_n_steps steps (at most 100)
-        every = min(max(1, self.trainer.log_every_n_steps), self.nan_guard.MAX_UNREAD)
-        check = (self.global_step + 1) % every == 0
-        return self.nan_guard.usable(loss, where, self.nan_hints, views, check)
+        return self.nan_guard.usable(loss, where, self.nan_hints, views)
 
     def nan_hints(self) -> str:
         """The likely causes of a non-finite loss, named in the guard's error."""
@@ -316,24 +321,16 @@ class Pretraining(SafeLoading, LightningModule):
         self.finish_step()
 
     def finish_step(self) -> None:
-        """What follows a training step: the momentum update (only after a real optimizer step, not a gradient
-        accumulation micro-batch), then the dictionary keeps the step's rows of every rank. Idempotent."""
-        if self.momentum_copy is not None:
-            self.momentum_copy.after_step(self)
+        """What follows a training step: the momentum update with m(j) of the j-th optimizer step (only after a real
+        optimizer step, not a gradient-accumulation micro-batch), then the dictionary keeps the step's rows of every
+        rank. Idempotent."""
+        stepped, self._stepped = self.global_step != self._stepped, self.global_step
+        if self.momentum_copy is not None and stepped:
+            self.momentum_copy.update(self, self.momentum_copy.at(self, self.global_step))
         if self._stored:
             self.dictionary.store(*self._stored, step=self.global_step)
             self._stored = ()
         self._unfinished = False
-
-    # --- logging ----------------------------------------------------------------------------
-    def log_lr(self, **extra: float) -> None:
-        values = {"lr": self.trainer.optimizers[0].param_groups[0]["lr"], **extra}
-        # from pinned memory, asynchronously: a Python float given to self.log becomes a blocking copy
-        pinned = self.device.type == "cuda"
-        tensors = {k: torch.tensor(v, dtype=torch.float32, pin_memory=pinned) for k, v in values.items()}
-        self.log_dict(
-            {k: t.to(self.device, non_blocking=True) for k, t in tensors.items()}, on_step=True, on_epoch=False
-        )
 
     # --- optimizer and schedules ----------------------------------------------------------------
     def configure_optimizers(self) -> dict:
@@ -358,9 +355,3 @@ class Pretraining(SafeLoading, LightningModule):
         save, which runs no callback's hook; a save outside a fit): a fallback, not needed by a subclass's override."""
         if "moco_lightning" not in checkpoint:
             run_state.save_state(self, checkpoint)
-
-    def planned_step(self, step: int) -> tuple[float, float]:
-        """``(position of step on the planned schedule, planned steps)``: what the momentum schedules follow."""
-        if self.step_plan is None:  # before configure_optimizers
-            return float(step), self.trainer.estimated_stepping_batches
-        return self.step_plan.position(step), self.step_plan.planned

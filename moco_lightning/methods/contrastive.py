@@ -2,12 +2,12 @@
 positive keys, a dictionary of negatives, and InfoNCE.
 
     q = f_q(x_q)                                       query: the backbone, its head (and v3's predictor)
-    k₊ = the positive key of each image               loss_terms(): key encoder, query encoder or memory bank
+    k₊ = the positive key of each image               key(): key encoder or memory bank (loss_terms())
     logits = [q·k₊, q·negatives] / T;  CE(logits, 0)  views_loss() (loss.info_nce); negatives: the dictionary
     after the optimizer step: the dictionary keeps   Pretraining.finish_step: Negatives.store (keys of all ranks)
 
 A method class sets its dictionary of negatives in ``__init__`` (:attr:`Pretraining.dictionary`, a
-:class:`~moco_lightning.modules.negatives.Negatives`) and writes one thing, its loss terms
+:class:`~moco_lightning.modules.dictionary.Negatives`) and writes one thing, its loss terms
 (:meth:`Contrastive.loss_terms`:
 which queries meet which positive keys and negatives): :class:`~moco_lightning.MoCo`,
 :class:`~moco_lightning.MoCoV3`, :class:`~moco_lightning.EndToEnd` and :class:`~moco_lightning.MemoryBankMoCo`.
@@ -21,18 +21,18 @@ and, when symmetric, + L(q2, k1), as the official code.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, NamedTuple, Optional, Sequence
+from typing import Any, Literal, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from moco_lightning.errors import check_arguments
 from moco_lightning.methods.base import Pretraining
+from moco_lightning.modules.dictionary import Negatives
 from moco_lightning.modules.distributed import shuffle_across_ranks, unshuffle_across_ranks
 from moco_lightning.modules.heads import projection_head
 from moco_lightning.modules.loss import gather_keys, info_nce, pretext_metrics
 from moco_lightning.modules.momentum import MomentumCopy
-from moco_lightning.modules.negatives import Negatives
 from moco_lightning.modules.split_bn import (
     check_bn_splits,
     check_last_batch,
@@ -87,9 +87,10 @@ class Contrastive(Pretraining):
         ``head`` argument) and no predictor; MoCo v3 builds its own."""
         return projection_head(self.hparams.head, self.feature_dim, self.hparams.hidden_dim, self.hparams.dim), None
 
-    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
-        """What a method writes: the loss terms of the two global views (``index``: the images' dataset indices)."""
-        raise NotImplementedError(f"{type(self).__name__}.loss_terms")
+    def key(self, x: Tensor, index: Optional[Tensor] = None) -> Tensor:
+        """k₊: the positive keys of the views ``x`` (``index``: the images' dataset indices): what a method with a
+        key encoder or a memory bank writes."""
+        raise NotImplementedError(f"{type(self).__name__}.key")
 
     # --- the query encoder and the loss --------------------------------------------------------
     def trained_modules(self) -> list[nn.Module]:
@@ -103,20 +104,22 @@ class Contrastive(Pretraining):
             z = self.prediction_head(z)
         return h, nn.functional.normalize(z.float(), dim=1)
 
-    def query_key_terms(self, x_q: Tensor, x_k: Tensor, key_of: Callable[[Tensor], Tensor]) -> Terms:
-        """q₁ against the key of x_k and the dictionary's negatives; with ``symmetric``, q₂ against the key of x_q
-        too (the official CIFAR demo's order: q₁, k₂, q₂, k₁; the keys stored as [k₁, k₂])."""
+    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
+        """The loss terms of the two global views (``index``: the images' dataset indices): q₁ = f_q(x_q) against
+        k₊ = :meth:`key` (x_k) and the dictionary's negatives; with ``symmetric``, q₂ against the key of x_q too (the
+        official CIFAR demo's order: q₁, k₂, q₂, k₁; the keys stored as [k₁, k₂]). A method whose terms differ (MoCo
+        v3, end-to-end) overrides it."""
         h, q = self.query(x_q)
-        k = key_of(x_k)
+        k = self.key(x_k, index)
         if not self.hparams.symmetric:
             return Terms(h, [(q, k, self.dictionary.negatives())], [q], [k])
         q2 = self.query(x_k)[1]
-        k1 = key_of(x_q)
+        k1 = self.key(x_q, index)
         return Terms(h, [(q, k, self.dictionary.negatives()), (q2, k1, self.dictionary.negatives())], [q, q2], [k1, k])
 
     def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
-        equal = self._equal_sizes
+        equal = self._equal_batches and self.training  # (the _equal_sizes property, without its call)
         x_q, x_k = self.in_layout(views[0]), self.in_layout(views[1])  # once per view, not per encoder call
         local_views = views[2:]
         t = self.loss_terms(x_q, x_k, index)
@@ -182,24 +185,24 @@ class MomentumContrast(Contrastive):
         self._shuffle = "off"  # resolved from shuffle_bn in setup(), when the world size is known
 
     @torch.no_grad()
-    def key(self, x: Tensor) -> Tensor:
-        """k: the L2-normalised key embedding (fp32), without gradient; the batch is shuffled for BN in training."""
+    def key(self, x: Tensor, index: Optional[Tensor] = None) -> Tensor:
+        """k = f_k(x): the L2-normalised key embedding (fp32), without gradient; in training the batch is shuffled for
+        BatchNorm (across ranks, or within the device's split BN) and unshuffled after."""
         x = self.in_layout(x)
         shuffle = self._shuffle if self.training else "off"
-        if shuffle == "off":
-            return self._encode_key(x)
-        # the same permutation on every rank, and again after a resume: seeded by the step; drawn on the batch's
-        # device (a CPU permutation copied to a GPU would synchronise the two)
-        g = torch.Generator(device=x.device).manual_seed(1_000_003 * (self.global_step + 1))
+        if shuffle != "off":
+            # the same permutation on every rank, and again after a resume: seeded by the step; drawn on the batch's
+            # device (a CPU permutation copied to a GPU would synchronise the two)
+            g = torch.Generator(device=x.device).manual_seed(1_000_003 * (self.global_step + 1))
+            if shuffle == "ddp":
+                x, state = shuffle_across_ranks(x, g, self._equal_sizes)
+            else:
+                perm = torch.randperm(x.shape[0], generator=g, device=x.device)
+                x = x[perm]
+        k = nn.functional.normalize(self.key_projection_head(self.key_backbone(x)).float(), dim=1)
         if shuffle == "ddp":
-            x, state = shuffle_across_ranks(x, g, self._equal_sizes)
-            return unshuffle_across_ranks(self._encode_key(x), state)
-        perm = torch.randperm(x.shape[0], generator=g, device=x.device)
-        k = self._encode_key(x[perm])
-        return torch.empty_like(k).index_copy_(0, perm, k)
-
-    def _encode_key(self, x: Tensor) -> Tensor:
-        return nn.functional.normalize(self.key_projection_head(self.key_backbone(x)).float(), dim=1)
+            return unshuffle_across_ranks(k, state)
+        return k if shuffle == "off" else torch.empty_like(k).index_copy_(0, perm, k)
 
     # --- training ---------------------------------------------------------------------------
     def prepare_run(self, stage: str) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from moco_lightning.errors import check_arguments
 from moco_lightning.methods.contrastive import Contrastive, Terms
-from moco_lightning.modules.negatives import InBatch
+from moco_lightning.modules.dictionary import InBatch
 
 
 class EndToEnd(Contrastive):

@@ -14,9 +14,8 @@ from typing import Any, Literal, Optional
 from torch import Tensor
 
 from moco_lightning.errors import ConfigError, check_arguments
-from moco_lightning.methods.contrastive import Contrastive, Terms
-from moco_lightning.modules.memory_bank import MemoryBank
-from moco_lightning.modules.negatives import warn_own_keys
+from moco_lightning.methods.contrastive import Contrastive
+from moco_lightning.modules.dictionary import MemoryBank, warn_own_keys
 from moco_lightning.training.plan import training_images
 
 
@@ -60,10 +59,10 @@ class MemoryBankMoCo(Contrastive):
         super().__init__(temperature=temperature, **kwargs)
         self.dictionary = MemoryBank(memory_bank_size, self.hparams.dim, num_negatives, bank_momentum)
 
-    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
-        """q against the image's stored feature (its positive) and features sampled from the bank."""
-        positives = self.dictionary.positives(MemoryBank.require_index(index))
-        return self.query_key_terms(x_q, x_k, lambda x: positives)
+    def key(self, x: Tensor, index: Optional[Tensor] = None) -> Tensor:
+        """k₊: the image's stored feature (its positive), whatever its view; features sampled from the bank are the
+        negatives (the dictionary's)."""
+        return self.dictionary.positives(MemoryBank.require_index(index))
 
     def check_fit(self) -> None:
         super().check_fit()  # loads the training data

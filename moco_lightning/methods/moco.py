@@ -8,7 +8,7 @@
 
 Algorithm 1 of the paper, and where each line lives:
 
-    q = f_q(x_q);  k = f_k(x_k).detach()          Contrastive.query, MomentumContrast.key (MoCo.loss_terms)
+    q = f_q(x_q);  k = f_k(x_k).detach()          Contrastive.query, MomentumContrast.key (Contrastive.loss_terms)
     logits = [q·k₊, q·queue] / T;  CE(logits, 0)  Contrastive.views_loss (loss.info_nce)
     loss.backward();  SGD update of f_q             Lightning
     θ_k ← m·θ_k + (1 − m)·θ_q                       on_train_batch_end, only after a real optimizer step
@@ -17,14 +17,11 @@ Algorithm 1 of the paper, and where each line lives:
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
-
-from torch import Tensor
+from typing import Any, Literal
 
 from moco_lightning.errors import check_arguments
-from moco_lightning.methods.contrastive import MomentumContrast, Terms
-from moco_lightning.modules.negatives import InBatch, warn_own_keys
-from moco_lightning.modules.queue import KeyQueue
+from moco_lightning.methods.contrastive import MomentumContrast
+from moco_lightning.modules.dictionary import InBatch, KeyQueue, warn_own_keys
 from moco_lightning.training.plan import training_images
 
 
@@ -60,7 +57,3 @@ class MoCo(MomentumContrast):
         if self.hparams.queue_size > 0:
             keys = 2 if self.hparams.symmetric else 1  # both views' keys are enqueued
             warn_own_keys("MoCo", "queue_size", self.hparams.queue_size, training_images(self), keys)
-
-    def loss_terms(self, x_q: Tensor, x_k: Tensor, index: Optional[Tensor]) -> Terms:
-        """q = f_q(x_q) against k₊ = f_k(x_k) and the queue (and the swapped pair when symmetric)."""
-        return self.query_key_terms(x_q, x_k, self.key)

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from moco_lightning.errors import ConfigError
 from moco_lightning.methods.contrastive import MomentumContrast, Terms
 from moco_lightning.modules.backbones import zero_init_residuals
+from moco_lightning.modules.dictionary import InBatch
 from moco_lightning.modules.heads import is_vit, v3_heads
-from moco_lightning.modules.negatives import InBatch
 
 
 class MoCoV3(MomentumContrast):

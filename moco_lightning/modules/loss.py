@@ -20,36 +20,6 @@ from torch import Tensor
 from moco_lightning.modules.distributed import gather_keeping_local_grad, rank, world_size
 
 
-def contrastive_similarities(
-    q: Tensor,
-    k: Tensor,
-    queue: Optional[Tensor] = None,
-    equal_sizes: bool = False,
-    batch_keys: Optional[Tuple[Tensor, int]] = None,
-) -> Tuple[Tensor, Tensor]:
-    """Cosine similarities of the queries to their positive and negative keys, and the positive's index.
-
-    ``q``, ``k``: (N, C), L2-normalised, ``k[i]`` the positive of ``q[i]``. ``queue``: (K, C) negatives,
-    or None / empty for in-batch negatives. Returns ``(sims, labels)``: with a queue ``sims`` is
-    (N, 1 + K) with the positive in column 0; without, (N, global batch) against the keys of every rank
-    (when ``k`` has gradients, the end-to-end mechanism, they reach every rank's keys: see :func:`_gather_with_grad`),
-    the positive at ``offset + i``; ``batch_keys``: that gather of ``k``, ``(keys, offset)`` from :func:`gather_keys`,
-    when the caller already has it (multi-crop's terms share each global key: one all-gather per key, not per term).
-
-    Always in fp32 with autocast off: under bf16 autocast the products ``q @ queue.T`` would come out in bf16
-    (8 bits of mantissa), every negative logit off by up to ~0.4 % before the division by T, while the
-    positive ``(q * k).sum`` stays fp32.
-    """
-    with torch.autocast(q.device.type, enabled=False):
-        q, k = q.float(), k.float()
-        if queue is None or queue.shape[0] == 0:
-            keys, offset = batch_keys if batch_keys is not None else gather_keys(k, equal_sizes)
-            return q @ keys.T, torch.arange(offset, offset + q.shape[0], device=q.device)
-        l_pos = (q * k).sum(dim=1, keepdim=True)
-        l_neg = q @ queue.float().T
-        return torch.cat([l_pos, l_neg], dim=1), torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-
-
 def gather_keys(k: Tensor, equal_sizes: bool = False) -> Tuple[Tensor, int]:
     """The in-batch dictionary of keys ``k``: ``(the keys of every rank in fp32, offset of this rank's)``; with
     gradients back to every rank's keys when ``k`` has them (the end-to-end mechanism)."""
@@ -66,13 +36,31 @@ def info_nce(
     equal_sizes: bool = False,
     batch_keys: Optional[Tuple[Tensor, int]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(scale · loss, sims, labels)``; similarities, logits and cross-entropy in fp32 (mixed-precision safe).
+    """Returns ``(scale · loss, sims, labels)``: the cosine similarities of the queries to their positive and negative
+    keys and the positive's column, and the cross-entropy of ``sims / temperature``.
 
-    MoCo v3 uses ``scale = 2T``, which makes the size of the gradient independent of T. ``batch_keys``: see
-    :func:`contrastive_similarities`.
+    ``q``, ``k``: (N, C), L2-normalised, ``k[i]`` the positive of ``q[i]``. ``queue``: (K, C) negatives, or None /
+    empty for in-batch negatives. With a queue ``sims`` is (N, 1 + K) with the positive in column 0; without, (N,
+    global batch) against the keys of every rank (when ``k`` has gradients, the end-to-end mechanism, they reach every
+    rank's keys: see :func:`_gather_with_grad`), the positive at ``offset + i``; ``batch_keys``: that gather of ``k``,
+    ``(keys, offset)`` from :func:`gather_keys`, when the caller already has it (multi-crop's terms share each global
+    key: one all-gather per key, not per term). MoCo v3 uses ``scale = 2T``, which makes the size of the gradient
+    independent of T.
+
+    Always in fp32 with autocast off: under bf16 autocast the products ``q @ queue.T`` would come out in bf16 (8 bits
+    of mantissa), every negative logit off by up to ~0.4 % before the division by T, while the positive
+    ``(q * k).sum`` stays fp32.
     """
-    sims, labels = contrastive_similarities(q, k, queue, equal_sizes, batch_keys)
-    with torch.autocast(sims.device.type, enabled=False):
+    with torch.autocast(q.device.type, enabled=False):
+        q, k = q.float(), k.float()
+        if queue is None or queue.shape[0] == 0:
+            keys, offset = batch_keys if batch_keys is not None else gather_keys(k, equal_sizes)
+            sims, labels = q @ keys.T, torch.arange(offset, offset + q.shape[0], device=q.device)
+        else:
+            l_pos = (q * k).sum(dim=1, keepdim=True)
+            l_neg = q @ queue.float().T
+            sims = torch.cat([l_pos, l_neg], dim=1)
+            labels = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
         loss = F.cross_entropy(sims / temperature, labels)
     return loss * scale, sims, labels
 

@@ -1,11 +1,6 @@
-"""Optimizers and schedules of the MoCo recipes: plain functions of the settings, and a host-sync-free LARS.
+"""The optimizers of the MoCo recipes: SGD, AdamW and a host-sync-free LARS (the lr schedule is
+:func:`moco_lightning.training.plan.lr_factor`, the momentum's :class:`moco_lightning.modules.momentum.MomentumCopy`).
 
-- lr is given per 256 images and scaled by the global batch (He et al. 2020, §4: "lr 0.03 for batch 256"; Goyal
-  et al. 2017's linear scaling rule); warm-up is linear from 0 (``step / warmup``, as the official MoCo v3 code),
-  then cosine (v2, v3), steps of ×0.1 (v1) or constant.
-- the momentum of the key encoder is constant (v1/v2) or follows MoCo v3's cosine from m₀ to 1. One convention for
-  every momentum method (MoCo, BYOL): the update that follows the j-th optimizer step uses m(j), j = 1, 2, ...,
-  as the official v3 code, whose iteration j blends the weights after j steps with m(j) before its forward.
 - the official v1/v2 code decays every parameter (``MoCo``'s default ``decay_norm_bias=True``); SimCLR/BYOL/SwAV
   keep norm and bias parameters decay-free; LARS never decays or adapts parameters with ``ndim <= 1``.
 
@@ -16,8 +11,7 @@ all parameters are computed with one foreach kernel.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from lightly.models.utils import get_weight_decay_parameters
@@ -25,46 +19,6 @@ from torch import nn
 from torch.optim.optimizer import Optimizer
 
 from moco_lightning.errors import ConfigError
-
-
-def cosine(step: float, total: float, start: float, end: float) -> float:
-    """Half a cosine from ``start`` (step 0) towards ``end`` (step ``total``)."""
-    return end - (end - start) * (1 + math.cos(math.pi * min(step, total) / max(total, 1))) / 2
-
-
-def momentum_at(step: int, total: float, m0: float, schedule: str) -> float:
-    """m(j) of the momentum update that follows the j-th optimizer step, ``j = step`` (the ``global_step`` once that
-    step is done): v3's ``1 − (1 − m₀)(1 + cos(π j/J))/2`` over J = ``total`` steps; m(0) = m₀, m(J) = 1."""
-    if schedule == "constant":
-        return m0
-    if not math.isfinite(total):
-        raise ConfigError("momentum_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
-    return cosine(step, total, m0, 1.0)
-
-
-@torch.no_grad()
-def momentum_update(targets: Iterable[nn.Module], sources: Iterable[nn.Module], m: float) -> None:
-    """θ_target ← m·θ_target + (1 − m)·θ_source over the parameters of paired modules, with one foreach kernel."""
-    theta_t = [p for module in targets for p in module.parameters()]
-    theta_s = [p for module in sources for p in module.parameters()]
-    torch._foreach_lerp_(theta_t, theta_s, 1.0 - m)  # θ_t + (1 − m)(θ_s − θ_t)
-
-
-def lr_factor(schedule: str, warmup: int, total: float, milestones: Sequence[int]) -> Callable[[int], float]:
-    """The multiplier of the peak lr at each optimizer step (for ``LambdaLR``); ``milestones`` in steps."""
-    if schedule == "cosine" and not math.isfinite(total):
-        raise ConfigError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return step / warmup  # the official v3 code: lr · (epoch + i/iters) / warmup_epochs, 0 at the first step
-        if schedule == "cosine":
-            return cosine(step - warmup, total - warmup, 1.0, 0.0)
-        if schedule == "step":
-            return 0.1 ** sum(step >= m for m in milestones)
-        return 1.0
-
-    return factor
 
 
 def build_optimizer(

@@ -48,25 +48,24 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         if n % s != 0:
             raise ConfigError(f"split BatchNorm: the batch of {n} does not split into bn_splits={s} equal sub-batches")
         y, mean, var = batch_norm_splits(x, self.weight, self.bias, s, self.eps)
-        if self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            self._update_running_stats(mean, var, x.numel() // (s * x.shape[1]))
+        if not self.track_running_stats:
+            return y
+        # the running statistics move by the average of the sub-batches' (each one's unbiased variance, as
+        # BatchNorm2d's), on the device: no host read, also for momentum=None's cumulative average
+        self.num_batches_tracked.add_(1)
+        count = x.numel() // (s * x.shape[1])
+        unbiased = count / max(count - 1, 1)
+        with torch.no_grad():
+            mean_sum, var_sum = mean.sum(0).view(-1), var.sum(0).view(-1)
+            if self.momentum is None:
+                weight = 1.0 / self.num_batches_tracked
+                self.running_mean.lerp_(mean_sum.div_(s), weight)
+                self.running_var.lerp_(var_sum.mul_(unbiased / s), weight)
+            else:
+                torch._foreach_mul_([self.running_mean, self.running_var], 1.0 - self.momentum)
+                self.running_mean.add_(mean_sum, alpha=self.momentum / s)
+                self.running_var.add_(var_sum, alpha=self.momentum * unbiased / s)
         return y
-
-    @torch.no_grad()
-    def _update_running_stats(self, mean: Tensor, var: Tensor, count: int) -> None:
-        """The running statistics move by the average of the sub-batches' (each one's unbiased variance, as
-        BatchNorm2d's), on the device: no host read, also for ``momentum=None``'s cumulative average."""
-        s, unbiased = mean.shape[0], count / max(count - 1, 1)
-        mean_sum, var_sum = mean.sum(0).view(-1), var.sum(0).view(-1)
-        if self.momentum is None:
-            weight = 1.0 / self.num_batches_tracked
-            self.running_mean.lerp_(mean_sum.div_(s), weight)
-            self.running_var.lerp_(var_sum.mul_(unbiased / s), weight)
-            return
-        torch._foreach_mul_([self.running_mean, self.running_var], 1.0 - self.momentum)
-        self.running_mean.add_(mean_sum, alpha=self.momentum / s)
-        self.running_var.add_(var_sum, alpha=self.momentum * unbiased / s)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, num_splits={self.num_splits}"

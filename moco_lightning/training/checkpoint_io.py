@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from moco_lightning.errors import ConfigError, DataNotFoundError
+from moco_lightning.training.compat import upgrade
 
 ALLOW_PICKLE = "MOCO_LIGHTNING_ALLOW_PICKLE"  # "1": load checkpoints with full pickle (trusted sources only)
 
@@ -79,6 +80,8 @@ def read_checkpoint(
         )
     if expect == "either" and not (is_checkpoint or is_export):
         raise ConfigError(f"{where}: neither a checkpoint nor an exported backbone ({type(loaded).__name__})")
+    if is_checkpoint:
+        upgrade(loaded)  # an earlier format brought to today's (idempotent: a kept checkpoint is upgraded already)
     return loaded
 
 

@@ -36,7 +36,7 @@ class NanGuard:
         self.on_nan, self.owner = on_nan, owner
         self._pending: list[tuple] = []  # (flag on the device, loss, where, hints) of each step since the last check
         self.agreed = 0  # the largest ``extra`` any rank passed at the last check
-        self.watching = False  # a reader runs (moco_lightning.run.NanStop): the steps record their flags
+        self.watching = False  # the reader runs (moco_lightning.run.NanStop): it records each step's flag
         self.due = False  # the last step was a check step: the reader reads the flags after it
 
     def check_trainer(self, trainer: Any) -> None:
@@ -56,34 +56,30 @@ class NanGuard:
     def reset(self) -> None:
         self._pending, self.agreed, self.due = [], 0, False
 
-    def usable(
-        self,
-        loss: Tensor,
-        where: str,
-        hints: Callable[[], str],
-        inputs: Sequence[Tensor] = (),
-        check: bool = False,
-    ) -> bool:
-        """False: skip this batch (``on_nan="skip"``). Otherwise, while :attr:`watching`, records the step's flag on
-        the device (``inputs``: the batch's images) and whether it is a check step (``check``: :attr:`due`, read by
-        :class:`~moco_lightning.run.NanStop` after the step)."""
-        if self.on_nan != "skip" and not self.watching:
+    def usable(self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = ()) -> bool:
+        """``on_nan="skip"``: False skips this batch, with a warning (the loss read on the host, which it must be)."""
+        if torch.isfinite(loss):
             return True
-        bad_input = torch.stack([~torch.isfinite(x).all() for x in inputs]).any() if inputs else None
-        if self.on_nan == "skip":  # reading the loss synchronises with the device
-            if torch.isfinite(loss):
-                return True
-            what = " (the batch holds non-finite pixels)" if bad_input is not None and bool(bad_input) else ""
-            warnings.warn(
-                f"{self.owner}: loss is {loss.item()} {where}{what}; batch skipped (on_nan='skip')", stacklevel=3
-            )
-            return False
+        bad = bool(self.bad_input(inputs)) if inputs else False
+        what = " (the batch holds non-finite pixels)" if bad else ""
+        warnings.warn(f"{self.owner}: loss is {loss.item()} {where}{what}; batch skipped (on_nan='skip')", stacklevel=3)
+        return False
+
+    def record(
+        self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = (), check: bool = False
+    ) -> None:
+        """``on_nan="raise"`` (:class:`~moco_lightning.run.NanStop`, after each step): the step's flag, on the device
+        (``inputs``: the batch's images), and whether the step is a check step (``check``: :attr:`due`)."""
         flag = (~torch.isfinite(loss.detach())).to(torch.int32)
-        if bad_input is not None:  # 3: the loss and the images; 1: the loss alone (MAX across ranks keeps the worst)
-            flag = flag + 2 * (bad_input.to(torch.int32) & flag)
+        if inputs:  # 3: the loss and the images; 1: the loss alone (MAX across ranks keeps the worst)
+            flag = flag + 2 * (self.bad_input(inputs).to(torch.int32) & flag)
         self._pending.append((flag, loss.detach(), where, hints))
         self.due = check
-        return True
+
+    @staticmethod
+    def bad_input(inputs: Sequence[Tensor]) -> Tensor:
+        """On the device: whether any of the images holds a NaN or inf."""
+        return torch.stack([~torch.isfinite(x).all() for x in inputs]).any()
 
     def check(self, extra: int = 0) -> None:
         """Reads the flags of the steps since the last check and ``extra``, each the maximum over the ranks (every rank

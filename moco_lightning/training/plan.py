@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, Optional, Sequence
@@ -98,8 +99,9 @@ def configure_optimizers(module: Any, saved_plan: dict | None) -> tuple[dict, St
     else:
         warmup, milestones = round(hp.warmup_epochs * spe), [m * spe for m in hp.lr_milestones]
         plan = StepPlan(trainer.estimated_stepping_batches, warmup, milestones, batch)
-    optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)  # refuses a cosine without an end
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(module, plan, step))
+    if hp.lr_schedule == "cosine" and not math.isfinite(plan.planned):
+        raise ConfigError("lr_schedule='cosine' needs a finite run: set trainer.max_epochs or trainer.max_steps")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, plan, hp.lr_schedule))
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}, plan
 
 
@@ -166,10 +168,19 @@ def redirect_lr_finder(module: Any) -> None:
         )
 
 
-def lr_factor(module: Any, plan: StepPlan, step: int) -> float:
-    """The multiplier of the peak lr at optimizer ``step``, on the plan as it is now (a resume may re-plan it)."""
-    hp = module.hparams
-    return optim.lr_factor(hp.lr_schedule, plan.warmup, plan.planned, plan.milestones)(plan.position(step))
+def lr_factor(plan: StepPlan, schedule: str, step: int) -> float:
+    """The multiplier of the peak lr at optimizer ``step`` (``LambdaLR``'s), at the step's position on the plan as it is
+    now (a resume may re-plan it): linear warm-up from 0 (``j / warmup``, as the official MoCo v3 code), then cosine
+    to 0 (v2, v3), ×0.1 at each milestone (v1) or constant."""
+    j = plan.position(step)
+    if j < plan.warmup:
+        return j / plan.warmup
+    if schedule == "cosine":
+        span = plan.planned - plan.warmup
+        return (1 + math.cos(math.pi * min(j - plan.warmup, span) / max(span, 1))) / 2
+    if schedule == "step":
+        return 0.1 ** sum(j >= m for m in plan.milestones)
+    return 1.0
 
 
 def continue_plan(module: Any, plan: StepPlan) -> None:
@@ -188,7 +199,7 @@ def continue_plan(module: Any, plan: StepPlan) -> None:
         length = here + (total - step) * share  # the run's new length, in the steps of the planned schedules
         longer = abs(length - plan.planned) >= 1  # another length, not only another batch
         plan.replan(step, total, length if longer else plan.planned)
-        factors = [lr_factor(module, plan, step), lr_factor(module, plan, int(total) - 1)]
+        factors = [lr_factor(plan, module.hparams.lr_schedule, s) for s in (step, int(total) - 1)]
         for config in trainer.lr_scheduler_configs:  # the restored lr is the old plan's: this step's on the new one
             scheduler = config.scheduler
             for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):

@@ -19,7 +19,7 @@ import torch
 from moco_lightning.constants import FORMAT_VERSION
 from moco_lightning.errors import ConfigError
 from moco_lightning.modules.distributed import gather_objects, rank, world_size
-from moco_lightning.training.compat import rng_states_per_rank, stem_of_cifar_stem, upgrade
+from moco_lightning.training.compat import stem_of_cifar_stem
 from moco_lightning.version import __version__
 
 
@@ -83,6 +83,12 @@ def check_format(meta: Optional[Mapping], who: str) -> None:
             stacklevel=3,
         )
         return
+    if meta["format_version"] < FORMAT_VERSION:  # read by a checkpoint IO of the user's own: not upgraded
+        raise ConfigError(
+            f"{who}: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is read through "
+            "moco-lightning's reader, which upgrades it: load it with load_from_checkpoint, or fit without a "
+            "checkpoint IO plugin of your own"
+        )
     if meta["format_version"] > FORMAT_VERSION:
         raise ConfigError(
             f"{who}: checkpoint format {meta['format_version']} (moco-lightning {meta['version']}) is newer than "
@@ -165,11 +171,10 @@ def check_world_size(checkpoint: dict, meta: Mapping, who: str) -> None:
 
 
 def this_ranks_rng_states(meta: Mapping) -> Optional[dict]:
-    """The saved RNG states of this rank (format 1: rank 0's, the only ones saved)."""
+    """The saved RNG states of this rank."""
     saved = meta.get("rng_states")
     if saved is None:
         return None
-    saved = rng_states_per_rank(saved)
     if len(saved) != world_size():
         warnings.warn(
             f"the checkpoint holds the RNG states of {len(saved)} process(es) and this run has {world_size()}: "
@@ -219,7 +224,6 @@ def check_checkpoint(module: Resumable, checkpoint: dict, resuming: bool) -> Non
     one refused, the class that wrote it and its structure checked; when ``resuming`` a fit, the processes of a run
     cut mid-epoch."""
     who = type(module).__name__
-    upgrade(checkpoint, type(module))
     meta = checkpoint.get("moco_lightning")
     check_format(meta, who)
     check_class(checkpoint, type(module))

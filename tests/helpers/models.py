@@ -92,3 +92,11 @@ class TinyNet(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def cosine(step: float, total: float, start: float, end: float) -> float:
+    """Half a cosine from ``start`` (step 0) to ``end`` (step ``total``): the schedules' formula, written here to check
+    the library's."""
+    import math
+
+    return end - (end - start) * (1 + math.cos(math.pi * min(step, total) / max(total, 1))) / 2
