@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from moco_lightning.data_contract import Classes, EvaluationLoaders
 from moco_lightning.downstream.knn import knn_accuracy, knn_counts, knn_scores, sharded_knn_counts
 from moco_lightning.errors import ConfigError
 
@@ -103,6 +104,13 @@ class KNNMonitor(Callback):
         self.pixel_baseline = pixel_baseline
         self.history: list[tuple[int, float]] = []
         self.measured_at: dict[str, int] = {}  # metric name -> global_step of its latest evaluation
+
+    @property
+    def data_contract(self) -> tuple:
+        """What it reads of the trainer's datamodule (checked at fit start): the evaluation loaders unless it has its
+        own, the number of classes unless given."""
+        loaders = () if self.bank_dataloader is not None or self.val_dataloader is not None else (EvaluationLoaders,)
+        return loaders + ((Classes,) if self.num_classes is None else ())
 
     def evaluate(self, trainer: Trainer, pl_module: LightningModule, pixels: bool = False) -> dict[str, float]:
         """Runs the kNN evaluation now; returns ``{name: accuracy in [0, 1]}`` and records it in ``history``

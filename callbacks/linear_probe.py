@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from moco_lightning.data_contract import Classes
 from moco_lightning.downstream.probe import probe_accuracy
 from moco_lightning.errors import ConfigError
 from moco_lightning.modules.batches import describe_batch
@@ -111,6 +112,12 @@ class LinearProbe(Callback):
             # move the momentum buffers along
             self.optimizer.load_state_dict(self.optimizer.state_dict())
         return self.classifier
+
+    @property
+    def data_contract(self) -> tuple:
+        """What it reads of the trainer's datamodule (checked at fit start): the number of classes unless given (its
+        held-out loader is asked for at its first evaluation)."""
+        return (Classes,) if self.num_classes is None else ()
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.num_classes = resolve_num_classes(self.num_classes, trainer)

@@ -1,20 +1,14 @@
-"""What every datamodule of this library gives: the contract and :class:`TwoViewDataModule`, its base.
+"""What every datamodule of this library shares: :class:`TwoViewDataModule`, its base.
 
-The contract (relied on by :class:`moco_lightning.MoCo` and by the evaluation callbacks):
-
-- ``train_dataloader()``: pretraining batches ``([view_1, view_2], target, index)``, shuffled
-  with a seeded sampler, ``drop_last=True``. With ``pretrain=False`` (offline linear evaluation):
-  ``(augmented_image, target, index)``.
-- ``val_dataloader()``: with ``pretrain=True`` the same two-view batches drawn from the held-out
-  split with fixed per-batch seeds (a comparable validation loss); else ``(image, target, index)``
-  with the evaluation transform.
-- ``eval_train_dataloader()`` / ``eval_val_dataloader()``: the train and held-out splits with the
-  evaluation transform (no augmentation), in order, nothing dropped: ``(image, target, index)``.
-  The kNN monitor builds its bank from the first and classifies the second.
-- attributes ``num_classes``, ``mean``, ``std``, ``image_size``, ``in_channels``.
-
-Any datamodule honouring this contract works with the module and the callbacks; a datamodule of
-your own needs only ``train_dataloader`` yielding ``([view_1, view_2], ...)`` to train MoCo.
+The contract a datamodule meets is written once, as ``typing.Protocol`` classes, in
+:mod:`moco_lightning.data_contract` (training batches of views; evaluation loaders and ``num_classes``; label
+budgets; ``mean``, ``std``, ``image_size``, ``in_channels``); every datamodule here meets all of it, and a fit checks
+what its callbacks read at its start. Training batches are ``([view_1, view_2, *local_views], target, index)``,
+shuffled with a seeded sampler, ``drop_last=True`` (with ``pretrain=False``: ``(augmented_image, target, index)``);
+``val_dataloader()`` gives the same views of the held-out split with fixed per-batch seeds (a comparable validation
+loss); ``eval_train_dataloader()`` / ``eval_val_dataloader()`` the splits with the evaluation transform, in order,
+nothing dropped. A datamodule of your own needs only ``train_dataloader`` yielding ``([view_1, view_2], ...)`` to
+train MoCo.
 """
 
 from __future__ import annotations
@@ -30,17 +24,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from moco_lightning.errors import ConfigError
 
 from .loading import Batch, EpochPosition, ResumableDataLoader, SeededRandomSampler, collate  # noqa: F401
-
-#: names that lived here before 0.4, now in :mod:`moco_lightning.datamodules.in_memory`
-_IN_MEMORY = ("ImageTensorDataset", "NormalizeCollate", "InMemoryDataModule")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _IN_MEMORY:
-        from . import in_memory
-
-        return getattr(in_memory, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TwoViewDataModule(LightningDataModule):

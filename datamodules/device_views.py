@@ -14,7 +14,7 @@ from moco_lightning.errors import ConfigError
 from .batch_views import BatchViews
 
 if TYPE_CHECKING:
-    from .transforms import ViewSettings
+    from .view_settings import ViewSettings
 
 
 def random_resized_crop_box(

@@ -30,10 +30,12 @@ from moco_lightning.constants import default_normalisation
 from moco_lightning.errors import ConfigError
 
 from .base import TwoViewDataModule
+from .device_views import PerViewColour
 from .folder_backends import BACKENDS
 from .folder_samples import folder_samples, list_classes, scan_image_folder, unlabelled_message  # noqa: F401
 from .images import BadImageError, Deterministic, ImageFileDataset, RandomCrops, SeededPIL, load_image
 from .loading import default_workers
+from .pil_transforms import lightly_views
 from .selection import check_subset_size
 from .transforms import (
     Preset,
@@ -132,7 +134,7 @@ class ImageFolderDataModule(TwoViewDataModule):
         settings = settings.with_local_views(local_views, local_size, local_scale)
         if augment_on == "device":  # the workers crop; the device flips and colours (or, for evaluation, flips)
             views = (
-                settings.colour_views(self.mean, self.std)
+                PerViewColour(settings, self.mean, self.std)
                 if pretrain
                 else linear_eval_views(image_size, self.mean, self.std, min_scale=1.0)
             )
@@ -211,7 +213,7 @@ class ImageFolderDataModule(TwoViewDataModule):
                 return RandomCrops(
                     self.image_size, (st.min_scale, 1.0), 2, st.local_views, st.local_size, st.local_scale
                 )
-            return SeededPIL(st.pil_views(self.mean, self.std))
+            return SeededPIL(lightly_views(st, self.mean, self.std))
         if self.augment_on == "device":
             return RandomCrops(self.image_size, (0.08, 1.0), n_views=1)
         return SeededPIL(linear_eval_train_transform(self.image_size, self.mean, self.std))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
-    from .transforms import ViewSettings
+    from .view_settings import ViewSettings
 
 
 def lightly_views(st: "ViewSettings", mean: Sequence[float], std: Sequence[float]) -> Callable:

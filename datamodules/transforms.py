@@ -4,7 +4,7 @@ One table of settings per preset (:func:`view_settings`), turned into either
 
 - a per-image PIL transform built on lightly (``MoCoV1Transform``, ``MoCoV2Transform``, and
   ``BYOLView1Transform`` / ``BYOLView2Transform`` for v3's asymmetric views): :func:`moco_v1`,
-  :func:`moco_v2`, :func:`moco_v3`, or :meth:`ViewSettings.pil_views`; it maps a PIL image to a list
+  :func:`moco_v2`, :func:`moco_v3`, or :func:`pil_views`; it maps a PIL image to a list
   of two normalised tensors and runs in DataLoader workers;
 - a :class:`~moco_lightning.datamodules.batch_views.BatchViews` drawing the same distributions for
   a whole uint8 batch on its device: :func:`batch_views` or :meth:`ViewSettings.batch_views`.
@@ -43,7 +43,7 @@ the tensor path the fixed order documented in :mod:`~moco_lightning.datamodules.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Literal, Optional, Sequence, Tuple
 
 from moco_lightning.constants import GRAY_MEAN, GRAY_STD, IMAGENET_MEAN, IMAGENET_STD  # noqa: F401
@@ -51,94 +51,14 @@ from moco_lightning.errors import ConfigError
 
 from .batch_views import BatchViews
 from .device_views import PerViewColour, random_resized_crop_box  # noqa: F401
-from .pil_transforms import eval_transform, linear_eval_train_transform  # noqa: F401
+from .pil_transforms import eval_transform, lightly_views, linear_eval_train_transform  # noqa: F401
+from .view_settings import ViewSettings
 
 Preset = Literal["moco_v1", "moco_v2", "moco_v3"]
 PRESETS: Tuple[str, ...] = ("moco_v1", "moco_v2", "moco_v3")
 
 #: At or below this side (pixels) blur is off by default: CIFAR (32) and Fashion-MNIST (28).
 SMALL_IMAGE_SIZE = 32
-
-
-@dataclass(frozen=True)
-class ViewSettings:
-    """One preset's augmentation settings; ``blur_prob`` and ``solarize_prob`` are per view."""
-
-    preset: str
-    image_size: int
-    min_scale: float
-    jitter_prob: float
-    jitter: Tuple[float, float, float, float]
-    gray_prob: float
-    blur_prob: Tuple[float, float]
-    solarize_prob: Tuple[float, float]
-    hflip_prob: float = 0.5
-    blur_sigma: Tuple[float, float] = (0.1, 2.0)  # pixels at 224 px; scaled with image_size
-    local_views: int = 0  # multi-crop: this many small views more (SwAV: 6 of 96 px at 224, scale 0.05-0.14)
-    local_size: int = 0
-    local_scale: Tuple[float, float] = (0.05, 0.14)
-    translate: int = 0  # tensor path only: random translation (pixels), rotation (degrees), random erasing
-    rotation: float = 0.0
-    erase_prob: float = 0.0
-
-    def with_local_views(
-        self, n: int, size: Optional[int] = None, scale: Sequence[float] = (0.05, 0.14)
-    ) -> "ViewSettings":
-        """These settings plus ``n`` local views of ``size`` px (default: 96/224 of ``image_size``, SwAV's ratio)."""
-        if n < 0:
-            raise ConfigError(f"local_views must be >= 0, got {n}")
-        size = size if size is not None else max(1, round(self.image_size * 96 / 224))
-        return replace(self, local_views=n, local_size=size, local_scale=(float(scale[0]), float(scale[1])))
-
-    @property
-    def sigma_pixels(self) -> Tuple[float, float]:
-        """The blur's sigma range in pixels at ``image_size`` (what PIL's GaussianBlur takes)."""
-        f = self.image_size / 224
-        return (self.blur_sigma[0] * f, self.blur_sigma[1] * f)
-
-    # --- the tensor path ------------------------------------------------------------------
-    def batch_views(self, mean: Sequence[float], std: Sequence[float], n_views: int = 2) -> BatchViews:
-        """A :class:`BatchViews` drawing these views for whole uint8 batches on their device."""
-        return BatchViews(
-            self.image_size,
-            min_scale=self.min_scale,
-            hflip_prob=self.hflip_prob,
-            jitter_prob=self.jitter_prob,
-            jitter=self.jitter,
-            gray_prob=self.gray_prob,
-            blur_prob=self.blur_prob[:n_views],
-            blur_sigma=self.blur_sigma,
-            solarize_prob=self.solarize_prob[:n_views],
-            mean=tuple(mean),
-            std=tuple(std),
-            n_views=n_views,
-            local_views=self.local_views if n_views == 2 else 0,
-            local_size=self.local_size,
-            local_scale=self.local_scale,
-            translate=self.translate,
-            rotation=self.rotation,
-            erase_prob=self.erase_prob,
-        )
-
-    def tensor_path_only(self, where: str) -> None:
-        """Refuses the tensor-path-only augmentations where ``where`` (a PIL or worker path) cannot apply them."""
-        if self.translate or self.rotation or self.erase_prob:
-            raise ConfigError(
-                f"translate={self.translate}, rotation={self.rotation}, erase_prob={self.erase_prob}: these views are "
-                f"drawn on the tensor path (in-memory datamodules), not by {where}; set them to 0 here"
-            )
-
-    def colour_views(self, mean: Sequence[float], std: Sequence[float]) -> "PerViewColour":
-        """The non-geometric part (flip, jitter, gray, blur, solarize, normalise) per view, for views
-        already cropped elsewhere (the image-folder "device" path crops in the workers)."""
-        return PerViewColour(self, mean, std)
-
-    # --- the PIL path ---------------------------------------------------------------------
-    def pil_views(self, mean: Sequence[float], std: Sequence[float]) -> Callable:
-        """A lightly transform: PIL image -> list of two normalised tensors (C, size, size)."""
-        from .pil_transforms import lightly_views
-
-        return lightly_views(self, mean, std)
 
 
 def view_settings(
@@ -206,7 +126,7 @@ def pil_views(
     preset: Preset, image_size: int, mean: Sequence[float], std: Sequence[float], **settings: Any
 ) -> Callable:
     """The PIL-path views of ``preset``; ``settings`` as :func:`batch_views`."""
-    return view_settings(preset, image_size, **settings).pil_views(mean, std)
+    return lightly_views(view_settings(preset, image_size, **settings), mean, std)
 
 
 def moco_v1(

@@ -240,6 +240,7 @@ def test_bad_arguments(kwargs, message):
 def test_every_tensor_of_the_views_follows_the_batch_device(preset):
     """The datamodule owning the views is never moved to the GPU: the views must follow the batch. The meta device
     stands in for a GPU here: any tensor left on the CPU raises 'Tensor on device cpu is not on the expected device'."""
+    from moco_lightning.datamodules.device_views import PerViewColour
     from moco_lightning.datamodules.transforms import linear_eval_views, view_settings
 
     st = view_settings(preset, 48, blur=True)
@@ -248,7 +249,7 @@ def test_every_tensor_of_the_views_follows_the_batch_device(preset):
     for views in (
         st.batch_views(mean, std)(images),
         linear_eval_views(48, mean, std)(images),
-        st.colour_views(mean, std)(torch.zeros(4, 2, 3, 48, 48, dtype=torch.uint8, device="meta")),
+        PerViewColour(st, mean, std)(torch.zeros(4, 2, 3, 48, 48, dtype=torch.uint8, device="meta")),
     ):
         assert all(v.device.type == "meta" and v.shape == (4, 3, 48, 48) for v in views)
 
@@ -334,12 +335,13 @@ def test_random_erasing_fills_one_rectangle_with_the_mean_at_its_probability():
 
 
 def test_the_hard_views_are_refused_where_they_cannot_be_drawn():
+    from moco_lightning.datamodules.pil_transforms import lightly_views
     from moco_lightning.datamodules.transforms import view_settings
 
     settings = view_settings("moco_v2", 32)
     from dataclasses import replace
 
     with pytest.raises(ValueError, match="translate=3.*tensor path.*not by the PIL path"):
-        replace(settings, translate=3).pil_views((0.5,), (0.5,))
+        lightly_views(replace(settings, translate=3), (0.5,), (0.5,))
     with pytest.raises(ValueError, match="translate and rotation must be >= 0"):
         BatchViews(8, rotation=-1.0)

@@ -12,6 +12,7 @@ from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
 from moco_lightning.datamodules import PRESETS, BatchViews, moco_v1, moco_v2, moco_v3, view_settings
+from moco_lightning.datamodules.pil_transforms import lightly_views
 from moco_lightning.datamodules.transforms import (
     PerViewColour,
     eval_transform,
@@ -92,7 +93,7 @@ def smooth_images(n, size, channels, seed=0):
 @pytest.mark.parametrize("channels", [3, 1])
 def test_pil_views_on_rgb_and_grayscale(preset, channels):
     mean, std = (0.5,) * channels, (0.25,) * channels
-    t = view_settings(preset, 32).pil_views(mean, std)
+    t = lightly_views(view_settings(preset, 32), mean, std)
     torch.manual_seed(0)
     np.random.seed(0)
     img = smooth_images(1, 40, channels)[0]
@@ -110,7 +111,7 @@ def test_pil_and_tensor_paths_draw_the_same_grayscale_rate_and_intensity():
     imgs = smooth_images(n, size, 3)
     mean, std = (0.0,) * 3, (1.0,) * 3
     st = view_settings("moco_v2", size)
-    pil = st.pil_views(mean, std)
+    pil = lightly_views(st, mean, std)
     torch.manual_seed(0)
     np.random.seed(0)
     pil_views = torch.stack([pil(im)[0] for im in imgs])

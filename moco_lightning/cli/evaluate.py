@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from moco_lightning.cli.resume import BEST_LAST, named_checkpoint
+from moco_lightning.data_contract import EvaluationData, LabelBudgets, lacks
 from moco_lightning.datamodules import BadImageError
 from moco_lightning.downstream import evaluate as measure
 from moco_lightning.downstream.embed import check_out_folder
@@ -75,7 +76,7 @@ def datamodule_of(
         raise ConfigError(f"evaluate: data.class_path {path!r}: cannot import {module} ({e})") from None
     if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
         raise ConfigError(f"evaluate: data.class_path {path!r} is not a LightningDataModule")
-    missing = [m for m in ("eval_train_dataloader", "eval_val_dataloader") if not hasattr(cls, m)]
+    missing = [m[:-2] for m in lacks(cls, EvaluationData) if m.endswith("()")]  # (num_classes: set by __init__)
     if missing:
         raise ConfigError(
             f"evaluate: {name} has no {' / '.join(missing)}: evaluate reads the features of the training split (the "
@@ -115,7 +116,7 @@ def datamodule_of(
 
 def check_label_budgets(dm: Any, budgets: int) -> None:
     """Label budgets need the datamodule's ``train_targets()`` and ``select_train()``."""
-    missing = [m for m in ("train_targets", "select_train") if not hasattr(dm, m)]
+    missing = [m[:-2] for m in lacks(dm, LabelBudgets)]
     if budgets and missing:
         raise ConfigError(
             f"evaluate: the label budgets (--fractions / --per_class) need {type(dm).__name__}.{' and .'.join(missing)}"

@@ -7,17 +7,25 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from moco_lightning.data_contract import require
+
 
 class FitSetup(Callback):
-    """``setup``: the module's :meth:`~moco_lightning.methods.base.Pretraining.prepare_run` (the fit-start checks,
-    shuffle BN, channels-last, compile, the buffers DDP must not re-broadcast); ``on_fit_start``: the dictionary's
-    buffers equal on every rank; ``on_train_start``: :meth:`~moco_lightning.methods.base.Pretraining.begin_training`;
-    ``teardown``: :meth:`~moco_lightning.methods.base.Pretraining.end_run` (the user's BatchNorm again).
+    """``setup``: the datamodule checked against what each callback reads of it (its ``data_contract``,
+    :mod:`moco_lightning.data_contract`), then the module's :meth:`~moco_lightning.methods.base.Pretraining.
+    prepare_run` (the fit-start checks, shuffle BN, channels-last, compile, the buffers DDP must not re-broadcast);
+    ``on_fit_start``: the dictionary's buffers equal on every rank; ``on_train_start``:
+    :meth:`~moco_lightning.methods.base.Pretraining.begin_training`; ``teardown``:
+    :meth:`~moco_lightning.methods.base.Pretraining.end_run` (the user's BatchNorm again).
 
     Kept with ``run_callbacks=False``: the algorithm needs it. The module's first training step stops with one line
     when it did not run (a ``configure_callbacks`` override that drops it)."""
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":  # what the callbacks will read of the datamodule, before any work
+            for callback in trainer.callbacks:
+                for contract in getattr(callback, "data_contract", ()):
+                    require(trainer.datamodule, contract, type(callback).__name__, "give the callback its own")
         pl_module.prepare_run(stage)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
