@@ -21,7 +21,10 @@ import pytest
 import torch
 import yaml
 from helpers.cli import in_process
+from helpers.data import tiny_data
 from helpers.distributed import ExitHandlers
+from helpers.models import tiny_moco
+from helpers.resume import assert_epoch_resume_bit_equal, assert_resumes_bit_equal
 
 import moco_lightning
 from moco_lightning.modules import distributed
@@ -236,6 +239,35 @@ def test_a_resume_from_a_mid_epoch_checkpoint_is_bit_equal(method, tmp_path_fact
     straight = run(method, tmp_path_factory)
     in_process("fit", "--config", str(config(method, tmp_path)), "--ckpt_path", str(straight / "ckpt" / "step=3.ckpt"))
     assert_same_run(state(straight / "ckpt" / "last.ckpt"), state(tmp_path / "ckpt" / "last.ckpt"))
+
+
+#: the Python-API resumes (the run a user's Trainer makes): warm-up + cosine lr (and BYOL's cosine momentum) continue
+#: mid-epoch, SwAV's frozen prototypes too; MoCo's cosine schedules across an epoch's end, and multi-crop's views
+PYTHON_RESUMES = {
+    "simclr_mid_epoch": lambda tmp: assert_resumes_bit_equal(moco_lightning.SimCLR, tmp),
+    "byol_mid_epoch": lambda tmp: assert_resumes_bit_equal(moco_lightning.BYOL, tmp),
+    "swav_mid_epoch": lambda tmp: assert_resumes_bit_equal(moco_lightning.SwAV, tmp, freeze_prototypes_epochs=0.5),
+    "moco_epoch_end_cosine": lambda tmp: assert_epoch_resume_bit_equal(
+        tmp,
+        lambda: tiny_moco(momentum_schedule="cosine", lr_schedule="cosine", warmup_epochs=0.5),
+        lambda: tiny_data(),
+        limit_val_batches=1,
+    ),
+    "moco_multi_crop": lambda tmp: assert_epoch_resume_bit_equal(
+        tmp,
+        lambda: tiny_moco(symmetric=True, lr_schedule="cosine"),
+        lambda: tiny_data(local_views=2, local_size=14),
+        limit_val_batches=0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", [c if c.startswith("moco") else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in PYTHON_RESUMES])  # fmt: skip
+def test_a_resumed_python_run_is_bit_equal(case, tmp_path):
+    """The run resumed from its checkpoint ends with the weights, buffers (queue, momentum copy) and optimizer state
+    of the run never interrupted (the CLI's mid-epoch resume of every method: the test above)."""
+    PYTHON_RESUMES[case](tmp_path)
 
 
 @pytest.mark.parametrize("method", GROUPS)

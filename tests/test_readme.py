@@ -162,3 +162,34 @@ def test_your_own_images_end_to_end(tmp_path, monkeypatch, seeded):
     body = resnet_fpn_backbone(backbone_name="resnet18", weights=None).body
     body.load_state_dict(torch.load("fpn_body.pt"), strict=True)
     assert torch.equal(body.conv1.weight, state["conv1.weight"])
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    found = set()
+    for heading in re.findall(r"^#+ (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        found.add(slug)
+    return found
+
+
+USER_PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.name)
+def test_every_relative_link_of_the_user_facing_pages_resolves_and_no_issue_number_is_cited(page):
+    """A link to a file names one that exists, an anchor a heading it has; a user cannot open this project's
+    issues, so no page cites one by number."""
+    text = page.read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(target)
+    assert not broken, broken
+    assert not re.findall(r"(?<![\w/&`])#\d+\b", text), re.findall(r".{30}(?<![\w/&`])#\d+\b.{10}", text)

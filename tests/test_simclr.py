@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from helpers.data import tiny_data
 from helpers.distributed import free_port, gloo_rank, run_ranks
 from helpers.models import tiny
-from helpers.resume import assert_resumes_bit_equal
 from helpers.trainers import cpu_trainer
 
 from moco_lightning import SimCLR
@@ -95,7 +94,3 @@ def test_logits_and_loss_are_fp32_under_bf16_autocast(seeded):
         z0, z1 = model.projection_head(model.backbone(torch.cat([x0, x1]))).float().chunk(2)
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, model.criterion(z0, z1), rtol=1e-6, atol=1e-6)
-
-
-def test_a_run_resumed_mid_epoch_is_bit_equal_to_the_uninterrupted_one(tmp_path):
-    assert_resumes_bit_equal(SimCLR, tmp_path)

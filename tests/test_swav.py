@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from helpers.data import tiny_data
 from helpers.distributed import free_port, gloo_rank, run_ranks
 from helpers.models import tiny
-from helpers.resume import assert_resumes_bit_equal
 from helpers.trainers import cpu_trainer
 from lightly.loss.swav_loss import sinkhorn
 from lightning.pytorch import Callback
@@ -177,7 +176,3 @@ def test_ddp_prototypes_stay_identical_on_both_ranks_and_unchanged_while_frozen(
     torch.testing.assert_close(r0[1], r0[0])  # frozen: the start's unit rows
     torch.testing.assert_close(r0[2], r0[0])
     assert not torch.allclose(r0[3], r0[0]) and not torch.allclose(r0[4], r0[3])  # unfrozen: they learn
-
-
-def test_a_run_resumed_mid_epoch_is_bit_equal_to_the_uninterrupted_one(tmp_path):
-    assert_resumes_bit_equal(SwAV, tmp_path, freeze_prototypes_epochs=0.5)
