@@ -24,6 +24,7 @@ def main(argv=None) -> None:
     p.add_argument("--config", default="quickstart", help="the config whose model's architecture is trained")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--train-subset", type=int, default=None, help="smoke runs: the first N training images")
+    p.add_argument("--test-subset", type=int, default=None, help="smoke runs: the first N test images")
     p.add_argument("--out", required=True, help="the state dict to write (.pt)")
     args = p.parse_args(argv)
     quiet()
@@ -40,7 +41,7 @@ def main(argv=None) -> None:
     model = model.get("init_args", model)
     architecture = {k: model[k] for k in ("backbone", "width", "stem", "in_channels", "image_size") if k in model}
     data = FashionMNISTDataModule(pretrain=False, supervised_min_scale=1.0, batch_size=64, seed=args.seed,
-                                  train_subset=args.train_subset)  # fmt: skip
+                                  train_subset=args.train_subset, val_subset=args.test_subset)  # fmt: skip
     classifier = LinearClassifier(**architecture, from_scratch=True, **dict(FINETUNE, backbone_lr=None))
     trainer = Trainer(accelerator="cpu", max_epochs=args.epochs, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torchvision
 from helpers.data import FIXTURE_CKPT
+from helpers.files import write_fashion_folder
 
 from moco_lightning.cli import main
 from moco_lightning.downstream.baseline import read_baseline
@@ -51,21 +52,22 @@ def test_a_small_stem_or_unknown_keys_are_named_with_baseline_arch(tmp_path):
         read_baseline(tmp_path / "small.pt", 1, 28, arch="resnet50,stem=cifar")
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_evaluate_measures_a_baseline_beside_the_encoder_by_the_same_protocol(tmp_path, capsys):
     """A torchvision state dict and another run's checkpoint, in the same table: kNN, linear, and at each budget
     linear frozen and fine-tuned; what each baseline is and how it is fed, in the report."""
     torch.manual_seed(0)
     torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp_path / "r18.pt")
-    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--steps", "2", "--k", "20", "--out", str(tmp_path / "ev"),
-          "--baseline", str(tmp_path / "r18.pt"), "--baseline", FIXTURE_CKPT])  # fmt: skip
+    root = write_fashion_folder(tmp_path / "folder", n_train=20, n_val=8, n_unlabelled=0)  # 3 classes: small and fast
+    main(["evaluate", "--ckpt", FIXTURE_CKPT, "--data_dir", str(root), "--steps", "2", "--k", "20", "--fractions",
+          "0.5", "--out", str(tmp_path / "ev"), "--baseline", str(tmp_path / "r18.pt"), "--baseline",
+          FIXTURE_CKPT])  # fmt: skip
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "ev" / "evaluate.json").read_text())
     names = ["baseline r18", "baseline MoCo"]
     assert list(result["baselines"]) == names
     for name in names:
-        assert (
-            0 <= result["rows"]["kNN k 20"][name] <= 1 and 0 <= result["fractions"]["0.05"][f"fine_tuned {name}"] <= 1
-        )
+        assert 0 <= result["rows"]["kNN k 20"][name] <= 1 and 0 <= result["fractions"]["0.5"][f"fine_tuned {name}"] <= 1
     same = result["rows"]["kNN k 20"]
     assert same["baseline MoCo"] == same["encoder"]  # the same file as a baseline: the same features, the same kNN
     assert "| | encoder | raw pixels | baseline r18 | baseline MoCo |" in out

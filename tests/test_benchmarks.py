@@ -475,7 +475,8 @@ def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tm
 def test_supervised_baseline_writes_a_plain_state_dict_that_evaluate_reads(tmp_path):
     from moco_lightning.downstream.baseline import read_baseline
 
-    out = run("supervised_baseline.py", "--epochs", "1", "--train-subset", "128", "--out", str(tmp_path / "sup.pt"))
+    out = run("supervised_baseline.py", "--epochs", "1", "--train-subset", "128", "--test-subset", "256",
+              "--out", str(tmp_path / "sup.pt"))  # fmt: skip
     assert "test top-1" in out
     import torch
 

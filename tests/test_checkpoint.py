@@ -206,6 +206,7 @@ def _history(folder: Path, logger: str) -> list:
     return [(tag, e.step, e.value) for tag in tags for e in events.Scalars(tag)]
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 @pytest.mark.parametrize("logger", ["csv", "tensorboard"])
 def test_a_resumed_run_keeps_the_whole_history_of_its_logger(logger, tmp_path, monkeypatch):
     """A run stopped after step 7 (rows logged up to step 6) and resumed from its step-5 checkpoint into the same

@@ -19,6 +19,7 @@ def two_steps(config: str, batch: int, train: int, val: int, *overrides: str):
     )  # fmt: skip
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_quickstart_config_runs_offline_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = two_steps("quickstart.yaml", 32, 256, 64)
@@ -54,6 +55,7 @@ def test_swav_with_multi_crop_trains_through_the_cli(tmp_path, monkeypatch):
     assert cli.trainer.global_step == 2 and cli.trainer.state.finished and type(cli.model).__name__ == "SwAV"
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_a_timm_backbone_trains_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = two_steps(
@@ -93,6 +95,7 @@ data:
 """
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path, monkeypatch, capsys):
     """No seed: only a real resume can leave run A's keys of steps 1-6 in the queue after step 9."""
     import torch
@@ -115,6 +118,7 @@ def test_ckpt_path_last_resumes_the_newest_run_in_its_own_version(tmp_path, monk
     assert [int((enqueued == s).sum()) for s in range(1, 10)] == [16] * 9  # 16 keys of each of steps 1-9
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_resume_with_other_model_settings_errors_or_warns_naming_each(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cfg.yaml").write_text(RESUME_CONFIG.replace("max_steps: 6", "max_steps: 3"))
@@ -154,6 +158,7 @@ def test_bad_settings_end_with_one_error_line_not_a_traceback(tmp_path, monkeypa
     assert "Traceback" not in err and "--ckpt notes.txt: not a checkpoint: a 16-byte text file, neither a" in err
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_a_torn_newest_checkpoint_falls_back_and_bad_files_are_one_line(tmp_path, monkeypatch, capsys):
     """A kill during a save (no atomic rename), a full disk, a truncated copy: ``last`` resumes the newest readable
     checkpoint naming both; an explicit path to a bad file is one line naming it, exit code 2."""
@@ -456,6 +461,7 @@ def test_ckpt_best_and_last_name_a_runs_best_knn_and_last_checkpoints(tmp_path, 
     assert "--ckpt best: no readable best-knn.ckpt under" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_a_queue_larger_than_the_data_is_warned_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with warnings.catch_warnings(record=True) as caught:

@@ -79,6 +79,7 @@ def pretrain_checkpoint(tmp: Path) -> Path:
     "config",
     [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS],
 )
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_every_config_trains_two_steps_on_fixture_data(config, tmp_path, monkeypatch, one_torch_thread):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["moco-lightning"])

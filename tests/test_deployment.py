@@ -42,8 +42,9 @@ def run_program(fmt: str, path, x: torch.Tensor) -> tuple[np.ndarray, dict]:
         return module(x).numpy(), {k[: -len(".json")]: v for k, v in files.items()}
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 @pytest.mark.parametrize("kind", ["resnet", "vit"])
-@pytest.mark.parametrize("fmt", [pytest.param("onnx", marks=pytest.mark.slow), "pt2", "torchscript"])  # onnx: ~5 s
+@pytest.mark.parametrize("fmt", ["onnx", "pt2", "torchscript"])
 def test_a_program_computes_the_encoders_features_at_any_batch_and_carries_its_description(tmp_path, seeded, fmt, kind):
     if kind == "vit":
         pytest.importorskip("timm")

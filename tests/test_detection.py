@@ -43,6 +43,7 @@ def detectron2_resnet_names(blocks: list[int], convs: int) -> set[str]:
     return names
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 @pytest.mark.parametrize("backbone, blocks, convs", [("resnet18", [2, 2, 2, 2], 2), ("resnet50", [3, 4, 6, 3], 3)])
 def test_the_detectron2_pickle_is_the_official_converters_with_detectron2s_names(tmp_path, backbone, blocks, convs):
     ckpt = checkpoint(tmp_path / "m.ckpt", backbone=backbone)
@@ -60,6 +61,7 @@ def test_the_detectron2_pickle_is_the_official_converters_with_detectron2s_names
         assert pickle.load(f)["matching_heuristics"] is False
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_the_torchvision_detection_file_loads_strictly_into_a_fpn_body_and_faster_rcnn_trains(tmp_path, seeded):
     from torchvision.models.detection import FasterRCNN
     from torchvision.models.detection.backbone_utils import resnet_fpn_backbone

@@ -11,6 +11,7 @@ from helpers.data import FIXTURE_CKPT
 from moco_lightning.cli import main
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_evaluate_prints_the_table_and_writes_its_files(tmp_path, capsys):
     main(["evaluate", "--ckpt", FIXTURE_CKPT, "--fast", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -53,6 +54,7 @@ def test_a_bad_checkpoint_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"moco-lightning evaluate: error: --ckpt {tmp_path / 'x.ckpt'}")
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys, monkeypatch):
     """--fast shrinks the data; --fractions and --steps given beside it are honoured, not dropped; bad ones are one
     line. The checkpoint is read once for the features and the four classifiers (two budgets, fine-tuned and from
@@ -74,6 +76,7 @@ def test_fast_keeps_the_fractions_and_steps_it_is_given(tmp_path, capsys, monkey
         assert exit_.value.code == 2 and said in capsys.readouterr().err
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_an_image_folder_is_evaluated_with_fraction_and_per_class_budgets(tmp_path, capsys):
     """A user's labelled folder (JPEG and PNG, RGB, read as grayscale for the 1-channel fixture encoder): kNN, linear,
     and fine-tuned / from scratch at 50 % of the labels and at 2 images per class (the batch adapts: 4 images);
@@ -145,6 +148,7 @@ def test_curve_measures_the_six_fractions_and_draws_them(tmp_path, monkeypatch, 
     assert e.value.code == 2 and "--curve is --fractions 0.005 0.01 0.02 0.05 0.1 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_all_the_labels_reuse_the_full_label_linear():
     """Fraction 1 is the whole training split: its frozen linear is the full-label linear, not trained twice."""
     from moco_lightning.cli.evaluate import datamodule_of

@@ -181,6 +181,7 @@ def test_corrupt_image_error_names_the_file(tmp_path):
         load_image(str(tmp_path / "train" / "dog" / "corrupt.jpg"))
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 @pytest.mark.parametrize("workers", [0, 1])
 def test_skip_bad_images_counts_them_with_one_warning(tmp_path, workers):
     corrupt_tree(tmp_path)
@@ -199,6 +200,7 @@ def test_skip_bad_images_counts_them_with_one_warning(tmp_path, workers):
 
 
 # --- views ------------------------------------------------------------------------------------------
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 @pytest.mark.parametrize("aug", ["device", "workers"])
 def test_views_differ_are_seeded_per_image_and_per_epoch(tmp_path, aug):
     write_tree(tmp_path)

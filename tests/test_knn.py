@@ -135,6 +135,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_one_and_two_ranks_give_the_hand_computed_accuracy(tmp_path):
     bank_loader, val_loader = loaders()
     one = knn_accuracy(nn.Identity(), bank_loader, val_loader, num_classes=10)

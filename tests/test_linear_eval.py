@@ -414,6 +414,7 @@ def test_a_training_split_missing_classes_is_refused_with_or_without_a_label_sub
         cpu_trainer(max_steps=1, limit_val_batches=0).fit(model, datamodule=data)
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_low_label_config_fine_tunes_through_the_command_line(resnet_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["linear_eval"])
     cli = main_cli(

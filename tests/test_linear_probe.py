@@ -139,6 +139,7 @@ def _ddp_probe_worker(rank: int, port: str, out_dir: str) -> None:
         torch.save(train_probe(rank, 2), os.path.join(out_dir, f"probe{rank}.pt"))
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_ddp_probe_averages_gradients_and_sums_validation_counts(tmp_path):
     """2 ranks (gloo), each with half of every batch: the probe's weights equal one process's on the whole batch (the
     mean gradient, all-reduced: the same probe on every rank) and the validation accuracy is over the 11 images of

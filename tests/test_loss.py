@@ -1,6 +1,7 @@
 import math
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from lightly.loss import NTXentLoss
@@ -96,6 +97,7 @@ def _end_to_end_batch():
     return F.normalize(torch.randn(6, 8, generator=g), dim=1), F.normalize(torch.randn(6, 8, generator=g), dim=1)
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_end_to_end_keys_get_the_single_process_gradient_on_two_ranks(tmp_path):
     """In-batch negatives with gradients (the end-to-end mechanism): a rank's keys are negatives of the other rank's
     queries too, so their gradient on each rank is the whole batch's (x 2: DDP averages), not only this rank's share."""

@@ -262,8 +262,7 @@ PYTHON_RESUMES = {
 }
 
 
-@pytest.mark.parametrize("case", [c if c.startswith("moco") else pytest.param(c, marks=pytest.mark.slow)
-                                  for c in PYTHON_RESUMES])  # fmt: skip
+@pytest.mark.parametrize("case", PYTHON_RESUMES)
 def test_a_resumed_python_run_is_bit_equal(case, tmp_path):
     """The run resumed from its checkpoint ends with the weights, buffers (queue, momentum copy) and optimizer state
     of the run never interrupted (the CLI's mid-epoch resume of every method: the test above)."""
@@ -733,6 +732,7 @@ def test_the_base_class_loads_a_checkpoint_as_the_method_that_wrote_it(method, t
         assert torch.equal(model.state_dict()[key], value), key
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_evaluate_says_what_it_measured_and_names_the_folders_classes(tmp_path, capsys):
     """#54.6-7 through ``moco-lightning evaluate`` on a user's folder (3 classes x 6 training images): a k above the
     bank is said to be capped; a budget whose few images are another share than asked says the share given; no

@@ -203,6 +203,7 @@ def test_symmetric_loss_and_both_keys_enqueued(seeded):
 
 
 # --- checkpoints and exact resume ----------------------------------------------------------
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_checkpoint_round_trip_is_bit_exact(seeded, tmp_path):
     model = tiny_moco(backbone="resnet18", cifar_stem=True, hidden_dim=16)
     trainer = cpu_trainer(limit_val_batches=0, max_steps=2)

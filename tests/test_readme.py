@@ -81,6 +81,7 @@ def test_the_readme_has_the_blocks_this_test_checks():
     assert [c[1] for c in COMMANDS] == ["fit", "evaluate", "embed"] + ["export"] * 4 + ["fit"] + ["export"] * 2
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 @pytest.mark.parametrize("number", range(len(BLOCKS)))
 def test_each_readme_python_block_runs_as_written(readme_world, number):
     names: dict = {}

@@ -277,6 +277,7 @@ def test_nan_loss_can_skip_the_batch(seeded):
     assert set(model.dictionary.enqueued_at.tolist()) == {-1, 1, 3, 4}
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_checkpoint_mismatch_says_what_differs(seeded, tmp_path):
     model = tiny_moco(backbone="resnet18", hidden_dim=16)
     trainer = cpu_trainer(max_steps=1, limit_val_batches=0)

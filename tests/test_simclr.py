@@ -59,6 +59,7 @@ def _gather_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save({"loss": loss.detach(), "grad": a.grad}, os.path.join(out_dir, f"simclr_{rank}.pt"))
 
 
+@pytest.mark.slow  # several processes
 def test_ddp_negatives_are_the_global_batch(tmp_path):
     """Two ranks of 3 images: each rank's loss uses all 2 x 6 - 2 = 10 negatives, and the mean over ranks is the
     loss of one process with the whole batch of 6; gradients flow through the gathered embeddings."""

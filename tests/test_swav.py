@@ -118,6 +118,7 @@ def _sinkhorn_worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(codes, os.path.join(out_dir, f"codes_{rank}.pt"))
 
 
+@pytest.mark.slow  # an integration run of seconds: the whole suite, not the fast loop
 def test_ddp_codes_are_computed_over_the_global_batch(tmp_path):
     """Each rank's codes of its 4 images equal its rows of one process's codes of all 8: the equal partition over
     the prototypes is of the global batch."""
