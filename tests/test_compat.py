@@ -1,5 +1,6 @@
 """Files written by the previous release (0.2.0, the flat layout: ``tests/fixtures/release_0_2/make.py``) load in
-this one and give the same features: a checkpoint through every reader, an export through ``load_backbone``."""
+this one and give the same features: a checkpoint through every reader, an export through ``load_backbone``; the old
+module names import for one release with a ``DeprecationWarning``."""
 
 from pathlib import Path
 

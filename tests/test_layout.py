@@ -1,5 +1,5 @@
-"""The package's layout is its architecture: sub-packages import one way, no import circle, small files, and the
-names of the flat layout (0.3 and earlier) still import."""
+"""The package's layout is its architecture: sub-packages import one way, no import circle anywhere, small files (the
+old module names: test_compat.py)."""
 
 import ast
 from pathlib import Path
