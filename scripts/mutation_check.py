@@ -66,7 +66,8 @@ MUTANTS = [
            "            out = self.views_loss(self.split_batch(batch)[0][:2])\n"
            "            self.dictionary.store(*out['stored'], step=self.global_step)\n",
            ("tests/test_moco.py",), "validation enqueues its keys (Bolts #419)"),
-    Mutant("knn_unweighted", "callbacks/knn.py", "(sim.float() / temperature).exp()", "torch.ones_like(sim.float())",
+    Mutant("knn_unweighted", "moco_lightning/downstream/knn.py", "(sim.float() / temperature).exp()",
+           "torch.ones_like(sim.float())",
            ("tests/test_knn.py",), "the kNN vote ignores the similarity weights"),
     Mutant("momentum_swapped", "moco_lightning/modules/momentum.py", "torch._foreach_lerp_(copies, sources, 1.0 - m)",
            "torch._foreach_lerp_(copies, sources, m)", ("tests/test_moco.py",),
@@ -96,7 +97,7 @@ MUTANTS = [
            "    return x, (torch.arange(x_all.shape[0], device=x.device), counts)", ("tests/test_distributed.py",),
            "shuffle BN across ranks draws the permutation and does not apply it"),
     Mutant("split_shuffle_not_applied", "moco_lightning/methods/contrastive.py",
-           "                x = x[perm]\n", "                pass\n", ("tests/test_moco.py",),
+           "                x = x[perm]\n", "                pass\n", ("tests/test_split_bn.py", "tests/test_moco.py"),
            "split shuffle BN draws the permutation and does not apply it"),
     Mutant("byol_not_swapped", "moco_lightning/methods/byol.py", "normalized_mse(p0, z1) + normalized_mse(p1, z0)",
            "normalized_mse(p0, z0) + normalized_mse(p1, z1)", ("tests/test_byol.py",),
@@ -110,8 +111,9 @@ MUTANTS = [
            "low = self.scores(list(views[2:]))[0] if len(views) > 2 else []", "low = []", ("tests/test_swav.py",),
            "SwAV's step ignores the local views"),
     Mutant("v3_scale",
-           "moco_lightning/methods/v3.py", "return 2 * self.hparams.temperature", "return self.hparams.temperature",
-           ("tests/test_moco.py",), "v3's loss without its factor 2"),
+           "moco_lightning/methods/v3.py", "[k1, k2], 2 * self.hparams.temperature)",
+           "[k1, k2], self.hparams.temperature)",
+           ("tests/test_v3.py", "tests/test_moco.py"), "v3's loss without its factor 2"),
 ]  # fmt: skip
 
 

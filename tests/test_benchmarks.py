@@ -484,3 +484,18 @@ def test_supervised_baseline_writes_a_plain_state_dict_that_evaluate_reads(tmp_p
     assert not hasattr(state, "_metadata") and "conv1.weight" in state  # no description: as a downloaded file
     encoder, how = read_baseline(tmp_path / "sup.pt", 1, 28, arch="resnet18,stem=cifar_stride2")
     assert encoder.architecture["width"] == 0.5 and "--baseline_arch" in how
+
+
+def test_every_mutant_of_the_mutation_check_applies_to_todays_code_once():
+    """scripts/mutation_check.py refuses to run a mutant whose original text is gone: a refactoring that moves the
+    code it mutates fails here, in every CI run, not at the next release."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("mutation_check", ROOT / "scripts" / "mutation_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mutation_check"] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    counts = {m.name: (ROOT / m.file).read_text().count(m.old) for m in module.MUTANTS}
+    assert len(counts) >= 20 and all(n == 1 for n in counts.values()), {k: n for k, n in counts.items() if n != 1}
+    assert all((ROOT / t).is_file() for m in module.MUTANTS for t in m.tests)
