@@ -308,7 +308,7 @@ class Pretraining(SafeLoading, LightningModule):
     def loss_is_usable(self, loss: Tensor, batch_idx: int, views: Sequence[Tensor] = ()) -> bool:
         """``on_nan="skip"``: False skips this batch (the loss read on the host, with a warning)."""
         where = f"at global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        return self.nan_guard.usable(loss, where, self.nan_hints, views)
+        return self.nan_guard.usable(loss, where, views)
 
     def nan_hints(self) -> str:
         """The likely causes of a non-finite loss, named in the guard's error."""

@@ -14,12 +14,12 @@ from lightning.pytorch import Callback
 class NanStop(Callback):
     """Records each step's flag in the module's :class:`~moco_lightning.training.nan_guard.NanGuard`
     (``pl_module.nan_guard``) and reads the flags at its check steps (after the step that logs, at least every
-    ``MAX_UNREAD``), before every checkpoint and at the end of
-    training, carrying the preemption's signal in the same all-reduce; refuses to save non-finite weights."""
+    ``MAX_UNREAD``), before every checkpoint and at the end of training, carrying the preemption's signal in the same
+    all-reduce; refuses to save non-finite weights."""
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         pl_module.nan_guard.reset()
-        pl_module.nan_guard.watching = True  # the steps record their flags (nobody reads them without this callback)
+        pl_module.nan_guard.watching = True  # SaveOnSignal: the signal rides on this callback's all-reduce
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"

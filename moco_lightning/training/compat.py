@@ -53,6 +53,16 @@ def current_path(path: str) -> str:
     return f"{MOVED[module]}.{name}" if module in MOVED else path
 
 
+def imported_class(path: str) -> Any:
+    """The class ``path`` names (in today's layout or the flat one of 0.1-0.2) if its module is imported already,
+    else None (nothing is imported for a checkpoint's say-so)."""
+    import sys
+
+    module, _, name = current_path(path).rpartition(".")
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
+
+
 class _MovedModules:
     """A meta-path finder: importing an old module name gives the module at its new place (the same object, so
     classes compare equal whichever name imported them)."""
@@ -143,12 +153,8 @@ def upgrade(checkpoint: dict) -> None:
 
 def _drop_passed_settings(checkpoint: dict, hparams: dict, version: int) -> None:
     """Format 2: what a queue-free subclass passed to MoCo's constructor, recorded as its hyper-parameters, dropped."""
-    import sys
-
-    path = current_path(checkpoint["moco_lightning"].get("module") or hparams.get("_class_path") or "")
-    module, _, name = path.rpartition(".")
-    cls = getattr(sys.modules.get(module), name, None)
-    if not isinstance(cls, type):
+    cls = imported_class(checkpoint["moco_lightning"].get("module") or hparams.get("_class_path") or "")
+    if cls is None:
         return  # not imported (nothing is imported for a checkpoint's say-so): its settings stay as they are
     accepted = constructor_arguments(cls)
     dropped = {k: hparams.pop(k) for k in list(hparams) if not k.startswith("_") and k not in accepted}

@@ -56,7 +56,7 @@ class NanGuard:
     def reset(self) -> None:
         self._pending, self.agreed, self.due = [], 0, False
 
-    def usable(self, loss: Tensor, where: str, hints: Callable[[], str], inputs: Sequence[Tensor] = ()) -> bool:
+    def usable(self, loss: Tensor, where: str, inputs: Sequence[Tensor] = ()) -> bool:
         """``on_nan="skip"``: False skips this batch, with a warning (the loss read on the host, which it must be)."""
         if torch.isfinite(loss):
             return True

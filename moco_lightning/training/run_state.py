@@ -19,7 +19,7 @@ import torch
 from moco_lightning.constants import FORMAT_VERSION
 from moco_lightning.errors import ConfigError
 from moco_lightning.modules.distributed import gather_objects, rank, world_size
-from moco_lightning.training.compat import stem_of_cifar_stem
+from moco_lightning.training.compat import imported_class, stem_of_cifar_stem
 from moco_lightning.version import __version__
 
 
@@ -251,15 +251,3 @@ def continue_run(module: Resumable, resume: dict) -> None:
     _lightning.load_pending_loader_states(module.trainer)
     if resume.get("plan") and module.trainer.ckpt_path and module.step_plan is not None:
         plan.continue_plan(module, module.step_plan)
-
-
-def imported_class(path: str) -> Any:
-    """The class ``path`` names (in today's layout or the flat one of 0.1-0.3) if its module is imported already,
-    else None (nothing is imported for a checkpoint's say-so)."""
-    import sys
-
-    from moco_lightning.training.compat import current_path
-
-    module, _, name = current_path(path).rpartition(".")
-    found = getattr(sys.modules.get(module), name, None)
-    return found if isinstance(found, type) else None
