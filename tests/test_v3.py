@@ -85,8 +85,12 @@ def test_multi_crop_without_a_queue_gathers_each_global_key_once(seeded, monkeyp
     g1, g2 = torch.randn(6, 1, 28, 28), torch.randn(6, 1, 28, 28)
     locals_ = [torch.randn(6, 1, 14, 14) for _ in range(3)]
     calls = []
-    real = loss_module._gather_with_grad
-    monkeypatch.setattr(loss_module, "_gather_with_grad", lambda x, eq: calls.append(x) or real(x, eq))
+    from moco_lightning.methods import contrastive
+
+    real = loss_module.gather_keys
+    counted = lambda x, eq=False: calls.append(x) or real(x, eq)  # noqa: E731
+    monkeypatch.setattr(loss_module, "gather_keys", counted)  # inside info_nce
+    monkeypatch.setattr(contrastive, "gather_keys", counted)  # views_loss's one gather per global key
     loss = model.views_loss([g1, g2, *locals_])["loss"]
     assert len(calls) == 2
     with torch.no_grad():

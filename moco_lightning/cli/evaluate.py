@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from moco_lightning.cli.resume import BEST_LAST, named_checkpoint
-from moco_lightning.data_contract import EvaluationData, LabelBudgets, lacks
+from moco_lightning.data_contract import EvaluationLoaders, LabelBudgets, lacks
 from moco_lightning.datamodules import BadImageError
 from moco_lightning.downstream import evaluate as measure
 from moco_lightning.downstream.embed import check_out_folder
@@ -76,7 +76,7 @@ def datamodule_of(
         raise ConfigError(f"evaluate: data.class_path {path!r}: cannot import {module} ({e})") from None
     if not (isinstance(cls, type) and issubclass(cls, LightningDataModule)):
         raise ConfigError(f"evaluate: data.class_path {path!r} is not a LightningDataModule")
-    missing = [m[:-2] for m in lacks(cls, EvaluationData) if m.endswith("()")]  # (num_classes: set by __init__)
+    missing = [m[:-2] for m in lacks(cls, EvaluationLoaders)]  # (num_classes: set by __init__, not on the class)
     if missing:
         raise ConfigError(
             f"evaluate: {name} has no {' / '.join(missing)}: evaluate reads the features of the training split (the "

@@ -119,7 +119,7 @@ class Contrastive(Pretraining):
 
     def views_loss(self, views: Sequence[Tensor], index: Optional[Tensor] = None) -> dict[str, Any]:
         """The InfoNCE loss of one step, without touching the dictionary or the key encoder's weights."""
-        equal = self._equal_batches and self.training  # (the _equal_sizes property, without its call)
+        equal = self._equal_sizes
         x_q, x_k = self.in_layout(views[0]), self.in_layout(views[1])  # once per view, not per encoder call
         local_views = views[2:]
         t = self.loss_terms(x_q, x_k, index)

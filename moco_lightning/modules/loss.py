@@ -21,10 +21,19 @@ from moco_lightning.modules.distributed import gather_keeping_local_grad, rank, 
 
 
 def gather_keys(k: Tensor, equal_sizes: bool = False) -> Tuple[Tensor, int]:
-    """The in-batch dictionary of keys ``k``: ``(the keys of every rank in fp32, offset of this rank's)``; with
-    gradients back to every rank's keys when ``k`` has them (the end-to-end mechanism)."""
+    """The in-batch dictionary of keys ``k``: ``(the keys of every rank in fp32, offset of this rank's)``. While
+    training, gradients flow back to every rank's keys when ``k`` has them (the end-to-end mechanism, SimCLR):
+    ``torch.distributed.nn``'s all-gather, equal row counts, as training batches are; without gradients (validation,
+    whose last batches may be uneven), :func:`gather_keeping_local_grad`."""
+    if world_size() == 1:
+        return k.float(), 0
     with torch.autocast(k.device.type, enabled=False):
-        return _gather_with_grad(k.float(), equal_sizes)
+        k = k.float()
+        if torch.is_grad_enabled() and k.requires_grad:
+            from torch.distributed.nn.functional import all_gather
+
+            return torch.cat(all_gather(k.contiguous())), rank() * k.shape[0]
+        return gather_keeping_local_grad(k, equal_sizes)
 
 
 def info_nce(
@@ -42,7 +51,7 @@ def info_nce(
     ``q``, ``k``: (N, C), L2-normalised, ``k[i]`` the positive of ``q[i]``. ``queue``: (K, C) negatives, or None /
     empty for in-batch negatives. With a queue ``sims`` is (N, 1 + K) with the positive in column 0; without, (N,
     global batch) against the keys of every rank (when ``k`` has gradients, the end-to-end mechanism, they reach every
-    rank's keys: see :func:`_gather_with_grad`), the positive at ``offset + i``; ``batch_keys``: that gather of ``k``,
+    rank's keys: see :func:`gather_keys`), the positive at ``offset + i``; ``batch_keys``: that gather of ``k``,
     ``(keys, offset)`` from :func:`gather_keys`, when the caller already has it (multi-crop's terms share each global
     key: one all-gather per key, not per term). MoCo v3 uses ``scale = 2T``, which makes the size of the gradient
     independent of T.
@@ -82,8 +91,8 @@ def nt_xent(z0: Tensor, z1: Tensor, temperature: float, equal_sizes: bool = Fals
     DDP's averaging the weights get the single-process gradient.
     """
     z0, z1 = F.normalize(z0.float(), dim=1), F.normalize(z1.float(), dim=1)
-    k0, offset = _gather_with_grad(z0, equal_sizes)
-    k1, _ = _gather_with_grad(z1, equal_sizes)
+    k0, offset = gather_keys(z0, equal_sizes)
+    k1, _ = gather_keys(z1, equal_sizes)
     n, total = z0.shape[0], k0.shape[0]
     logits = torch.cat([z0, z1]) @ torch.cat([k0, k1]).T / temperature  # (2n, 2N): view 0 of all ranks, then view 1
     mine = torch.arange(n, device=z0.device) + offset
@@ -91,19 +100,6 @@ def nt_xent(z0: Tensor, z1: Tensor, temperature: float, equal_sizes: bool = Fals
     positive = torch.cat([mine + total, mine])
     mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, itself[:, None], True)
     return F.cross_entropy(logits.masked_fill(mask, float("-inf")), positive)
-
-
-def _gather_with_grad(x: Tensor, equal_sizes: bool) -> Tuple[Tensor, int]:
-    """``(rows of every rank, offset of this rank's)``, gradients flowing back to every rank's rows while training
-    (``torch.distributed.nn``'s all-gather: equal row counts, as training batches are); without gradients (validation,
-    whose last batches may be uneven), :func:`gather_keeping_local_grad`."""
-    if world_size() == 1:
-        return x, 0
-    if torch.is_grad_enabled() and x.requires_grad:
-        from torch.distributed.nn.functional import all_gather
-
-        return torch.cat(all_gather(x.contiguous())), rank() * x.shape[0]
-    return gather_keeping_local_grad(x, equal_sizes)
 
 
 def pretext_metrics(sims: Tensor, labels: Tensor) -> dict[str, Tensor]:
