@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers.cli import run, subprocess_env
+from helpers.cli import run_module_forked, subprocess_env
 from helpers.data import tiny_data
 from helpers.models import tiny_moco
 from helpers.trainers import cpu_trainer
@@ -80,6 +80,9 @@ def _assert_equal(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} vs {b!r}"
 
 
+# ``moco-lightning fit`` runs as a process of its own (killed, signalled), forked from this one with a fresh
+# interpreter's environment (``subprocess_env``: one torch thread) but not its ~8 s of imports; the second rank of a
+# 2-process run is a fresh interpreter (Lightning starts it with ``python -m``)
 CB = "    - class_path: helpers.callbacks."  # a callback of the config, at a step
 INTERRUPTIONS = {  # how a run is stopped mid-epoch: (callback, the exit code, the step of the checkpoint it leaves)
     "kill -9": (CB + "KillAt\n      init_args: {{step: 7}}", -signal.SIGKILL, lambda d: 6),
@@ -115,7 +118,8 @@ def test_killed_or_preempted_anywhere_the_resumed_run_is_bit_equal_to_the_uninte
         stop = INTERRUPTIONS[interrupt][0].format(last=devices - 1) if interrupt else ""
         text = CONFIG.format(ckpt_dir=tmp_path / name, kill=stop)
         config.write_text(text.replace("trainer:\n", "trainer:\n" + ddp, 1))
-        return run(["moco-lightning", "fit", "--config", str(config), *extra], cwd=tmp_path, timeout=600)
+        args = ["fit", "--config", str(config), *extra]
+        return run_module_forked("moco_lightning", args, tmp_path, 600, subprocess_env())
 
     whole = fit("whole", "")
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -167,8 +171,8 @@ def test_slurm_requeue_saves_at_a_step_boundary_and_the_requeued_job_continues_b
         )
         text = CONFIG.format(ckpt_dir=tmp_path / name, kill=stop)
         config.write_text(text.replace("trainer:\n", f"trainer:\n  default_root_dir: {tmp_path / name}\n", 1))
-        env = subprocess_env(**slurm, PATH=f"{bin_dir}:{os.environ['PATH']}") if on_slurm else None
-        return run(["moco-lightning", "fit", "--config", str(config)], cwd=tmp_path, timeout=600, env=env)
+        env = subprocess_env(**slurm, PATH=f"{bin_dir}:{os.environ['PATH']}") if on_slurm else subprocess_env()
+        return run_module_forked("moco_lightning", ["fit", "--config", str(config)], tmp_path, 600, env)
 
     whole = fit("whole", False, False)
     assert whole.returncode == 0, whole.stderr[-3000:]

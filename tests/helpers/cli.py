@@ -62,11 +62,17 @@ def run(args: list, cwd: Any = None, timeout: int = 240, env: Optional[dict] = N
     return subprocess.run(args, cwd=cwd, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def run_module_forked(module: str, args: list, cwd: Any = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_module_forked(
+    module: str, args: list, cwd: Any = ROOT, timeout: int = 300, env: Optional[dict] = None
+) -> subprocess.CompletedProcess:
     """``python -m module *args`` in a child forked from this process: the module run as ``__main__`` (``runpy``,
-    as ``-m`` does) with this process's imports already done (a fresh interpreter spends ~6 s importing torch,
-    Lightning and torchvision before the first line of a benchmark). Its output captured; killed after
-    ``timeout`` seconds (``subprocess.TimeoutExpired``, as :func:`subprocess.run`)."""
+    as ``-m`` does) with this process's imports already done (a fresh interpreter spends ~6-9 s importing torch,
+    Lightning and torchvision before the first line of a benchmark or a fit). ``env``: the child's environment (as
+    :func:`run` gives it: :func:`subprocess_env`), its torch threads ``OMP_NUM_THREADS``, as in a fresh interpreter.
+    Its output captured (Lightning's log lines included); killed after ``timeout`` seconds
+    (``subprocess.TimeoutExpired``, as :func:`subprocess.run`); a child ended by a signal has ``-signum`` as its
+    return code, as :func:`subprocess.run` gives it."""
+    import logging
     import multiprocessing
     import runpy
     import tempfile
@@ -77,6 +83,16 @@ def run_module_forked(module: str, args: list, cwd: Any = ROOT, timeout: int = 3
             os.dup2(e.fileno(), 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
+        for name in (None, *logging.Logger.manager.loggerDict):  # handlers made on import hold pytest's stream
+            for handler in getattr(logging.getLogger(name), "handlers", []):
+                if type(handler) is logging.StreamHandler:
+                    handler.setStream(sys.stderr)
+        if env is not None:
+            import torch
+
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
         os.chdir(cwd)
         sys.argv = [module, *args]
         code = 0
@@ -86,6 +102,11 @@ def run_module_forked(module: str, args: list, cwd: Any = ROOT, timeout: int = 3
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
             if stop.code is not None and not isinstance(stop.code, int):
                 print(stop.code, file=sys.stderr)
+        except KeyboardInterrupt:  # as the interpreter: a traceback and exit code 1
+            import traceback
+
+            traceback.print_exc()
+            code = 1
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
