@@ -30,7 +30,8 @@ that what ran is kept whatever happens to the rest.
   timed batches inside one epoch (no epoch boundary, no worker start-up in the timing). Goals: (b) with split BN
   >= 0.9 of (a); (d) >= 0.9 of (a).
 - ``compile``: ``fit`` images/s with ``compile: false`` and ``true`` (a ResNet-18), and the recompilations Dynamo
-  logged (training, no-grad key encoder, evaluation): none may hit the recompile limit (it falls back to eager).
+  logged (training, no-grad key encoder, evaluation): none may hit the recompile limit (it falls back to eager). Inductor
+  at the full size; ``aot_eager`` at the toy size (the same graphs and guards, without a minute of C++ builds on a CPU).
 - ``multi_crop``: ``fit`` images/s of MoCo v2 with 2 x 224 px views and with 2 x 224 + 6 x 96 px (SwAV's layout).
 - ``ddp``: ``fit`` on every GPU of the node (DDP, NCCL, started with spawn: everything is pickled into the
   processes), images/s per GPU against the same run on one GPU (scaling efficiency); the queue must be identical on
@@ -72,10 +73,12 @@ from benchmarks.gpu_harness import Result, Row
 SIZES = {  # toy: seconds on a CPU; full: a GPU's minutes
     "toy": dict(image=16, batch=16, images=128, steps=4, queue=256, width=0.25, bank=4096, bank_dim=64,
                 big_image=32, big_batch=8, backbone="resnet18", workers=1, bench_steps=3, warmup=1,
-                local_image=16, local_views=2, compile_image=16, compile_batch=8, ddp_image=16, ddp_batch=8),
+                local_image=16, local_views=2, compile_image=16, compile_batch=8, ddp_image=16, ddp_batch=8,
+                compile_backend="aot_eager"),  # Dynamo's graphs and guards without Inductor's minute of C++ builds
     "full": dict(image=64, batch=256, images=8192, steps=30, queue=65536, width=1.0, bank=1_281_167, bank_dim=2048,
                  big_image=224, big_batch=128, backbone="resnet50", workers=12, bench_steps=30, warmup=3,
-                 local_image=96, local_views=6, compile_image=112, compile_batch=256, ddp_image=224, ddp_batch=128),
+                 local_image=96, local_views=6, compile_image=112, compile_batch=256, ddp_image=224, ddp_batch=128,
+                 compile_backend="inductor"),
 }  # fmt: skip
 
 # each check's share of --minutes (its process is killed there; its timed loops stop at LOOPS of it)

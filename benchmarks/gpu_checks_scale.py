@@ -61,7 +61,7 @@ def check_compile(device: str, size: dict, deadline: float) -> Result:
             local_views=2,
             local_size=image // 2,
         )
-        model = moco(size, batch, image_size=image, compile=on, width=1.0)
+        model = moco(size, batch, image_size=image, compile=on, compile_backend=size["compile_backend"], width=1.0)
         callbacks = [Clock(size["warmup"] + 1, time.time() + share)]
         if on:  # the monitor's evaluation runs the compiled backbone in eval mode, without gradients
             callbacks.append(KNNMonitor(every_n_epochs=1, max_bank_size=4 * batch, k=20))
@@ -77,13 +77,15 @@ def check_compile(device: str, size: dict, deadline: float) -> Result:
         rates[on] = (callbacks[0].rate(batch), time.perf_counter() - t)
     (eager, t_eager), (compiled, t_compiled) = rates[False], rates[True]
     line = (
-        f"resnet18 {image} px batch {batch}: eager {eager:.0f} img/s, compiled {compiled:.0f} img/s "
+        f"resnet18 {image} px batch {batch}: eager {eager:.0f} img/s, compiled ({size['compile_backend']}) "
+        f"{compiled:.0f} img/s "
         f"(x{compiled / eager:.2f}; whole fit {t_eager:.0f} s vs {t_compiled:.0f} s with compilation); "
         f"{len(log.recompiles)} recompilations, recompile limit hit {len(log.limit_hits)}x"
         + (f": {log.limit_hits[:2]}" if log.limit_hits else "")
     )
     return line, [
-        Row("compile: compiled / eager img/s", f"{compiled / eager:.2f}", f"resnet18, {image} px, batch {batch}"),
+        Row("compile: compiled / eager img/s", f"{compiled / eager:.2f}",
+            f"resnet18, {image} px, batch {batch}, {size['compile_backend']}"),
         Row("compile: recompilations / limit hits", f"{len(log.recompiles)} / {len(log.limit_hits)}",
             "train, no-grad keys, local views, eval kNN; a limit hit falls back to eager", not log.limit_hits),
     ]  # fmt: skip

@@ -73,7 +73,7 @@ def test_quality_compares_configs_and_the_reference(tmp_path):
     out = run(
         "quality.py",
         "--qe",
-        "0.07",
+        "0.015",
         "--systems",
         "fashion_mnist_moco_v2",
         "reference",
