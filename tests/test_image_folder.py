@@ -426,9 +426,9 @@ def test_loaders_with_workers_are_freed_at_once_and_leave_no_worker_behind(tmp_p
     prints none."""
     import gc
     import multiprocessing
-    import subprocess
-    import sys
     import weakref
+
+    from helpers.cli import run_script_forked
 
     root = write_tree(tmp_path / "data", n_per_class=6)
     dm = ImageFolderDataModule(data_dir=str(root), batch_size=4, image_size=32, num_workers=2, pretrain=False)
@@ -456,7 +456,7 @@ def test_loaders_with_workers_are_freed_at_once_and_leave_no_worker_behind(tmp_p
         "Trainer(accelerator='cpu', max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,"
         " callbacks=[KNNMonitor(k=3)]).fit(model, dm)\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    run = run_script_forked(script, cwd=tmp_path)  # a process of its own (its stderr), without a fresh one's imports
     assert run.returncode == 0, run.stderr[-2000:]
     assert "can only test a child process" not in run.stderr and "Traceback" not in run.stderr
 

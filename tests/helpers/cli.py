@@ -72,9 +72,27 @@ def run_module_forked(
     Its output captured (Lightning's log lines included); killed after ``timeout`` seconds
     (``subprocess.TimeoutExpired``, as :func:`subprocess.run`); a child ended by a signal has ``-signum`` as its
     return code, as :func:`subprocess.run` gives it."""
+    import runpy
+
+    def main() -> None:
+        sys.argv = [module, *args]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+    return run_forked(main, [module, *args], cwd, timeout, env)
+
+
+def run_script_forked(script: str, cwd: Any = ROOT, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -c script`` as :func:`run_module_forked` runs a module (the environment of :func:`subprocess_env`)."""
+    return run_forked(lambda: exec(compile(script, "<string>", "exec"), {"__name__": "__main__"}), ["-c", script],
+                      cwd, timeout, subprocess_env())  # fmt: skip
+
+
+def run_forked(
+    main: Any, name: list, cwd: Any = ROOT, timeout: int = 300, env: Optional[dict] = None
+) -> subprocess.CompletedProcess:
+    """``main()`` in a forked child, as :func:`run_module_forked` describes; ``name``: the command it stands for."""
     import logging
     import multiprocessing
-    import runpy
     import tempfile
 
     def child(out: str, err: str) -> None:
@@ -94,10 +112,9 @@ def run_module_forked(
             os.environ.update(env)
             torch.set_num_threads(int(env.get("OMP_NUM_THREADS", torch.get_num_threads())))
         os.chdir(cwd)
-        sys.argv = [module, *args]
         code = 0
         try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            main()
         except SystemExit as stop:  # as the interpreter: an int is the code, None 0, anything else printed, 1
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
             if stop.code is not None and not isinstance(stop.code, int):
@@ -119,7 +136,7 @@ def run_module_forked(
         if process.is_alive():
             process.kill()
             process.join()
-            raise subprocess.TimeoutExpired([module, *args], timeout)
+            raise subprocess.TimeoutExpired(name, timeout)
         with open(out) as o, open(err) as e:
             stdout, stderr = o.read(), e.read()
-    return subprocess.CompletedProcess([module, *args], process.exitcode, stdout, stderr)
+    return subprocess.CompletedProcess(name, process.exitcode, stdout, stderr)
