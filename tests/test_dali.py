@@ -136,23 +136,30 @@ def test_views_are_seeded_by_the_seed(tmp_path):
 @pytest.mark.slow  # a subprocess / several processes
 def test_pipeline_seed_is_the_same_in_every_process():
     """Python salts string hashes per process: the former hash((seed, epoch, rank, "pretrain")) drew other views in
-    a resumed run. Two processes with different PYTHONHASHSEED must agree."""
+    a resumed run. A process with another string-hash salt (a fresh interpreter, PYTHONHASHSEED chosen to differ from
+    this one's) must agree with this one."""
     import os
     import subprocess
     import sys
 
+    from moco_lightning.datamodules.dali import DaliLoader
+    from moco_lightning.datamodules.transforms import view_settings
+
+    def seed() -> int:
+        loader = DaliLoader(["a.jpg"], [0], "pretrain", view_settings("moco_v2", 32), (0.5,), (0.5,), 1, seed=3, rank=1)
+        loader.set_epoch(2)
+        return loader.pipeline_seed()
+
     code = (
         "from moco_lightning.datamodules.dali import DaliLoader; from moco_lightning.datamodules.transforms import "
         "view_settings; l = DaliLoader(['a.jpg'], [0], 'pretrain', view_settings('moco_v2', 32), (0.5,), (0.5,), 1, "
-        "seed=3, rank=1); l.set_epoch(2); print(l.pipeline_seed())"
+        "seed=3, rank=1); l.set_epoch(2); print(l.pipeline_seed(), hash('pretrain'))"
     )
-    seeds = {
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONHASHSEED": h}
-        ).stdout.strip()
-        for h in ("1", "2")
-    }
-    assert len(seeds) == 1 and seeds.pop().isdigit()
+    salt = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    env = {**os.environ, "PYTHONHASHSEED": salt}
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split()
+    assert int(other[1]) != hash("pretrain")  # the two processes salt strings differently
+    assert int(other[0]) == seed()
 
 
 def test_a_resumed_epoch_replays_the_pipeline_and_yields_the_remaining_batches_with_their_views(tmp_path):
