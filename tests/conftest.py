@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -14,6 +15,17 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
+
+
+@pytest.fixture(autouse=True)
+def lightning_log_levels():
+    """Lightning's log levels as each test found them: a test that quiets Lightning (the benchmarks' ``quiet``) does
+    not silence the tests after it in its worker, nor the runs they fork (``helpers.cli.run_forked``)."""
+    names = ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning")
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture

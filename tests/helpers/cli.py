@@ -104,7 +104,7 @@ def run_forked(
         for name in (None, *logging.Logger.manager.loggerDict):  # handlers made on import hold pytest's stream
             for handler in getattr(logging.getLogger(name), "handlers", []):
                 if type(handler) is logging.StreamHandler:
-                    handler.setStream(sys.stderr)
+                    handler.stream = sys.stderr  # not setStream: it flushes the old stream, maybe a closed capture
         if env is not None:
             import torch
 
