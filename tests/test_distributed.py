@@ -173,26 +173,41 @@ class KeyEncoderInputs(Callback):
         )
 
 
-def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(tmp_path):
-    """Shuffle BN across ranks: each rank's key encoder encodes a sub-batch drawn from the key views of *both* ranks
-    (a shuffle that is drawn but not applied, or "ddp" treated as "off", leaves each rank its own rows), and the
-    queues stay identical."""
+@pytest.fixture(scope="module")
+def shuffle_bn_run(tmp_path_factory):
+    """One 2-rank MoCo fit with shuffle BN across ranks (4 steps of 2 x 16 images, a checkpoint every 2 steps), read
+    by the shuffle-BN test and the resume test (one spawned pair of processes fewer; they share an xdist group)."""
     from helpers.data import tiny_data
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
+    out = tmp_path_factory.mktemp("shuffle_bn_run")
     seed_everything(0, verbose=False)
     model = tiny_moco(shuffle_bn="ddp", queue_size=48)
     ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    callbacks = [Record(str(tmp_path)), KeyEncoderInputs(str(tmp_path))]
-    cpu_trainer(max_steps=2, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0).fit(model, tiny_data())
+    saver = ModelCheckpoint(dirpath=out / "whole", every_n_train_steps=2, save_top_k=-1)
+    callbacks = [Record(str(out)), KeyEncoderInputs(str(out)), DrawFromGlobalRNG(str(out), "whole"), saver,
+                 Counted(str(out))]  # fmt: skip
+    trainer = cpu_trainer(max_steps=4, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0,
+                          enable_checkpointing=True)  # fmt: skip
+    trainer.fit(model, tiny_data(train_subset=128))
+    return out
+
+
+@pytest.mark.xdist_group("shuffle_bn_run")
+def test_ddp_shuffle_bn_training_runs_and_keeps_queues_equal(shuffle_bn_run):
+    """Shuffle BN across ranks: each rank's key encoder encodes a sub-batch drawn from the key views of *both* ranks
+    (a shuffle that is drawn but not applied, or "ddp" treated as "off", leaves each rank its own rows), and the
+    queues stay identical."""
+    tmp_path = shuffle_bn_run
     r0, r1 = (torch.load(tmp_path / f"rank{r}-of2.pt", weights_only=True) for r in (0, 1))
-    assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == 2 * 2 * 16 % 48
+    assert torch.equal(r0["queue"], r1["queue"]) and r0["ptr"] == 4 * 2 * 16 % 48
     for name, value in r0["key_backbone"].items():  # the same key encoder weights on both ranks
         if not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
             assert torch.equal(value, r1["key_backbone"][name]), name
     # each rank's BN saw its own shuffled sub-batch: local statistics differ, as in the paper
     assert not torch.equal(r0["key_backbone"]["1.running_mean"], r1["key_backbone"]["1.running_mean"])
     k0, k1 = (torch.load(tmp_path / f"keys{r}.pt") for r in (0, 1))
-    for step in range(2):
+    for step in range(4):
         own = [k0["x_k"][step], k1["x_k"][step]]
         for rank, keys in enumerate((k0, k1)):
             encoded = keys["encoded"][step]
@@ -399,34 +414,30 @@ class Counted(Callback):
         torch.save(self.count, os.path.join(self.out_dir, f"counts{trainer.global_rank}.pt"))
 
 
-def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_sizes(tmp_path):
+@pytest.mark.xdist_group("shuffle_bn_run")
+def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_sizes(shuffle_bn_run, tmp_path):
+    """Resumed at step 2's checkpoint (as if killed there), each rank's global RNG draws what it drew in the run
+    never stopped (each rank has its own stream); Lightning's DistributedSampler gives equal batches on both ranks,
+    so the gathers exchange no batch sizes."""
     from helpers.data import tiny_data
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def run(max_steps, tag, ckpt_path=None):
-        seed_everything(0, verbose=False)
-        model = tiny_moco(shuffle_bn="ddp", queue_size=48)
-        ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-        saver = ModelCheckpoint(dirpath=tmp_path / tag, every_n_train_steps=2, save_top_k=-1)
-        callbacks = [DrawFromGlobalRNG(str(tmp_path), tag), saver, Counted(str(tmp_path))]
-        cpu_trainer(
-            max_steps=max_steps,
-            devices=2,
-            strategy=ddp,
-            callbacks=callbacks,
-            limit_val_batches=0,
-            enable_checkpointing=True,
-        ).fit(model, tiny_data(train_subset=128), ckpt_path=ckpt_path)
-
-    run(4, "whole")
-    # Lightning's DistributedSampler: equal batches on both ranks, the gathers exchange no sizes
-    assert [torch.load(tmp_path / f"counts{r}.pt") for r in (0, 1)] == [0, 0]
-    run(4, "resumed", ckpt_path=str(next((tmp_path / "whole").glob("*step=2.ckpt"))))  # as if killed after step 2
+    whole_run = shuffle_bn_run
+    assert [torch.load(whole_run / f"counts{r}.pt") for r in (0, 1)] == [0, 0]
+    seed_everything(0, verbose=False)
+    model = tiny_moco(shuffle_bn="ddp", queue_size=48)
+    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
+    saver = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=2, save_top_k=-1)
+    callbacks = [DrawFromGlobalRNG(str(tmp_path), "resumed"), saver]
+    step_2 = next((whole_run / "whole").glob("*step=2.ckpt"))  # as if killed after step 2
+    trainer = cpu_trainer(max_steps=4, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0,
+                          enable_checkpointing=True)  # fmt: skip
+    trainer.fit(model, tiny_data(train_subset=128), ckpt_path=str(step_2))
     for rank in (0, 1):
-        whole = dict(torch.load(tmp_path / f"whole{rank}.pt"))
+        whole = dict(torch.load(whole_run / f"whole{rank}.pt"))
         resumed = dict(torch.load(tmp_path / f"resumed{rank}.pt"))
         assert sorted(resumed) == [2, 3] and all(resumed[s] == whole[s] for s in (2, 3)), (rank, whole, resumed)
-    assert dict(torch.load(tmp_path / "whole0.pt"))[2] != dict(torch.load(tmp_path / "whole1.pt"))[2]
+    assert dict(torch.load(whole_run / "whole0.pt"))[2] != dict(torch.load(whole_run / "whole1.pt"))[2]
 
 
 class RecordLRs(Callback):
