@@ -30,8 +30,9 @@ that what ran is kept whatever happens to the rest.
   timed batches inside one epoch (no epoch boundary, no worker start-up in the timing). Goals: (b) with split BN
   >= 0.9 of (a); (d) >= 0.9 of (a).
 - ``compile``: ``fit`` images/s with ``compile: false`` and ``true`` (a ResNet-18), and the recompilations Dynamo
-  logged (training, no-grad key encoder, evaluation): none may hit the recompile limit (it falls back to eager). Inductor
-  at the full size; ``aot_eager`` at the toy size (the same graphs and guards, without a minute of C++ builds on a CPU).
+  logged (training, no-grad key encoder, evaluation): none may hit the recompile limit (it falls back to eager).
+  Inductor at the full size; ``aot_eager`` at the toy size (the same graphs and guards, without a minute of C++ builds
+  on a CPU).
 - ``multi_crop``: ``fit`` images/s of MoCo v2 with 2 x 224 px views and with 2 x 224 + 6 x 96 px (SwAV's layout).
 - ``ddp``: ``fit`` on every GPU of the node (DDP, NCCL, started with spawn: everything is pickled into the
   processes), images/s per GPU against the same run on one GPU (scaling efficiency); the queue must be identical on
