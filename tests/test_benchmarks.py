@@ -266,7 +266,6 @@ def test_a_budget_is_planned_from_the_median_ratio_of_interleaved_timings(monkey
         return next(timings), type("Data", (), dict(batch_size=128))()  # the quickstart's batch: 468 steps in 1 QE
 
     monkeypatch.setattr(search, "config_step_seconds", fake)
-    monkeypatch.setattr(search, "quiet", lambda: None)  # main's logging levels would outlive this test
     args = type("Args", (), dict(timing_rounds=3, budget_qe=2, config="fashion_mnist_long"))()
     steps, ratio, step_s = search.steps_in_budget(args, [])
     assert calls == ["quickstart", "fashion_mnist_long"] * 3
@@ -449,7 +448,7 @@ def test_precision_speed_times_every_combination_against_the_shipped_step():
     assert all(float(r[4].rstrip("x")) > 0 for r in rows)
 
 
-def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tmp_path, monkeypatch):
+def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tmp_path):
     """``--objective finetune``: the 1 %-label fine-tuned top-1, less the kNN's shortfall below ``--knn-floor``
     (a guard, not a target); ``mean`` keeps rounds 1-3's value; a study refuses to go on under another objective."""
     import optuna
@@ -463,7 +462,6 @@ def test_the_round_4_objective_is_the_fine_tuned_accuracy_with_knn_as_a_guard(tm
     assert {"min_scale", "translate", "erase_prob", "local_views", "symmetric", "queue_size", "temperature"} <= set(
         search.SPACES["long_views"]
     )
-    monkeypatch.setattr(search, "quiet", lambda: None)
     optuna.create_study(study_name="r4", storage=f"sqlite:///{tmp_path / 'r4.db'}").set_user_attr("objective", "mean")
     with pytest.raises(SystemExit, match="was created with .*'mean'.*not .*'finetune'"):
         search.main(["--study", "r4", "--space", "long_views", "--objective", "finetune", "--knn-floor", "0.85",

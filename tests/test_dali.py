@@ -142,24 +142,19 @@ def test_pipeline_seed_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    from moco_lightning.datamodules.dali import DaliLoader
-    from moco_lightning.datamodules.transforms import view_settings
-
-    def seed() -> int:
-        loader = DaliLoader(["a.jpg"], [0], "pretrain", view_settings("moco_v2", 32), (0.5,), (0.5,), 1, seed=3, rank=1)
-        loader.set_epoch(2)
-        return loader.pipeline_seed()
-
-    code = (
+    seed = (
         "from moco_lightning.datamodules.dali import DaliLoader; from moco_lightning.datamodules.transforms import "
         "view_settings; l = DaliLoader(['a.jpg'], [0], 'pretrain', view_settings('moco_v2', 32), (0.5,), (0.5,), 1, "
-        "seed=3, rank=1); l.set_epoch(2); print(l.pipeline_seed(), hash('pretrain'))"
+        "seed=3, rank=1); l.set_epoch(2); seed = l.pipeline_seed()"
     )
+    here: dict = {}
+    exec(seed, here)
     salt = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
     env = {**os.environ, "PYTHONHASHSEED": salt}
+    code = seed + "; print(seed, hash('pretrain'))"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout.split()
     assert int(other[1]) != hash("pretrain")  # the two processes salt strings differently
-    assert int(other[0]) == seed()
+    assert int(other[0]) == here["seed"]
 
 
 def test_a_resumed_epoch_replays_the_pipeline_and_yields_the_remaining_batches_with_their_views(tmp_path):

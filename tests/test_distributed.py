@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -173,23 +175,28 @@ class KeyEncoderInputs(Callback):
         )
 
 
-@pytest.fixture(scope="module")
-def shuffle_bn_run(tmp_path_factory):
-    """One 2-rank MoCo fit with shuffle BN across ranks (4 steps of 2 x 16 images, a checkpoint every 2 steps), read
-    by the shuffle-BN test and the resume test (one spawned pair of processes fewer; they share an xdist group)."""
+def shuffle_bn_fit(out: Path, tag: str, callbacks: list, ckpt_path: Optional[Path] = None) -> None:
+    """A 2-rank MoCo fit with shuffle BN across ranks, 4 steps of 2 x 16 images, a checkpoint every 2 steps in
+    ``out / tag`` (resumed from ``ckpt_path``)."""
     from helpers.data import tiny_data
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    out = tmp_path_factory.mktemp("shuffle_bn_run")
     seed_everything(0, verbose=False)
     model = tiny_moco(shuffle_bn="ddp", queue_size=48)
     ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    saver = ModelCheckpoint(dirpath=out / "whole", every_n_train_steps=2, save_top_k=-1)
-    callbacks = [Record(str(out)), KeyEncoderInputs(str(out)), DrawFromGlobalRNG(str(out), "whole"), saver,
-                 Counted(str(out))]  # fmt: skip
-    trainer = cpu_trainer(max_steps=4, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0,
+    saver = ModelCheckpoint(dirpath=out / tag, every_n_train_steps=2, save_top_k=-1)
+    trainer = cpu_trainer(max_steps=4, devices=2, strategy=ddp, callbacks=[*callbacks, saver], limit_val_batches=0,
                           enable_checkpointing=True)  # fmt: skip
-    trainer.fit(model, tiny_data(train_subset=128))
+    trainer.fit(model, tiny_data(train_subset=128), ckpt_path=None if ckpt_path is None else str(ckpt_path))
+
+
+@pytest.fixture(scope="module")
+def shuffle_bn_run(tmp_path_factory) -> Path:
+    """One :func:`shuffle_bn_fit` ("whole"), read by the shuffle-BN test and the resume test (one spawned pair of
+    processes fewer; they share an xdist group)."""
+    out = tmp_path_factory.mktemp("shuffle_bn_run")
+    shuffle_bn_fit(out, "whole", [Record(str(out)), KeyEncoderInputs(str(out)), DrawFromGlobalRNG(str(out), "whole"),
+                                  Counted(str(out))])  # fmt: skip
     return out
 
 
@@ -419,20 +426,10 @@ def test_ddp_resume_continues_each_ranks_own_rng_stream_and_exchanges_no_batch_s
     """Resumed at step 2's checkpoint (as if killed there), each rank's global RNG draws what it drew in the run
     never stopped (each rank has its own stream); Lightning's DistributedSampler gives equal batches on both ranks,
     so the gathers exchange no batch sizes."""
-    from helpers.data import tiny_data
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     whole_run = shuffle_bn_run
     assert [torch.load(whole_run / f"counts{r}.pt") for r in (0, 1)] == [0, 0]
-    seed_everything(0, verbose=False)
-    model = tiny_moco(shuffle_bn="ddp", queue_size=48)
-    ddp = DDPStrategy(start_method="spawn", find_unused_parameters=False)
-    saver = ModelCheckpoint(dirpath=tmp_path / "resumed", every_n_train_steps=2, save_top_k=-1)
-    callbacks = [DrawFromGlobalRNG(str(tmp_path), "resumed"), saver]
     step_2 = next((whole_run / "whole").glob("*step=2.ckpt"))  # as if killed after step 2
-    trainer = cpu_trainer(max_steps=4, devices=2, strategy=ddp, callbacks=callbacks, limit_val_batches=0,
-                          enable_checkpointing=True)  # fmt: skip
-    trainer.fit(model, tiny_data(train_subset=128), ckpt_path=str(step_2))
+    shuffle_bn_fit(tmp_path, "resumed", [DrawFromGlobalRNG(str(tmp_path), "resumed")], ckpt_path=step_2)
     for rank in (0, 1):
         whole = dict(torch.load(whole_run / f"whole{rank}.pt"))
         resumed = dict(torch.load(tmp_path / f"resumed{rank}.pt"))
